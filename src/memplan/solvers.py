@@ -1,0 +1,74 @@
+"""The one place that talks to OR-Tools CP-SAT: time limit, status, bound, gap, progress.
+
+Every exact solver in memplan builds a ``cp_model.CpModel`` and calls :func:`solve_cp_sat`,
+so status and gap are reported the same way everywhere.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+
+@dataclass(frozen=True)
+class SolveStatus:
+    """Outcome of one solve. ``gap`` is ``(objective - bound) / objective`` (0 when optimal)."""
+
+    status: str  # "optimal" | "feasible" | "infeasible" | "unknown"
+    objective: float | None
+    bound: float | None
+    gap: float | None
+    seconds: float
+
+
+_STATUS = {
+    cp_model.OPTIMAL: "optimal",
+    cp_model.FEASIBLE: "feasible",
+    cp_model.INFEASIBLE: "infeasible",
+    cp_model.MODEL_INVALID: "invalid",
+    cp_model.UNKNOWN: "unknown",
+}
+
+
+class _Progress(cp_model.CpSolverSolutionCallback):
+    def __init__(self, report: Callable[[float, float], None]) -> None:
+        super().__init__()
+        self._report = report
+
+    def on_solution_callback(self) -> None:
+        self._report(self.ObjectiveValue(), self.BestObjectiveBound())
+
+
+def solve_cp_sat(
+    model: cp_model.CpModel,
+    time_limit_seconds: float,
+    *,
+    workers: int = 2,
+    progress: Callable[[float, float], None] | None = None,
+    seed: int = 0,
+) -> tuple[cp_model.CpSolver, SolveStatus]:
+    """Solve ``model`` within ``time_limit_seconds``; return the solver (to read values) and
+    the status. ``progress(objective, bound)`` is called on each improving solution."""
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.01, float(time_limit_seconds))
+    solver.parameters.num_workers = workers
+    solver.parameters.random_seed = seed
+    start = time.perf_counter()
+    code = solver.Solve(model, _Progress(progress) if progress else None)
+    seconds = time.perf_counter() - start
+    status = _STATUS.get(code, "unknown")
+    objective = bound = gap = None
+    if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        objective = solver.ObjectiveValue()
+        bound = solver.BestObjectiveBound()
+        gap = 0.0 if code == cp_model.OPTIMAL else _gap(objective, bound)
+    return solver, SolveStatus(status, objective, bound, gap, seconds)
+
+
+def _gap(objective: float, bound: float) -> float:
+    if objective == 0:
+        return 0.0
+    return max(0.0, (objective - bound) / abs(objective))
