@@ -19,10 +19,10 @@ def naive_resident_sets(graph: Graph, order: Sequence[int]) -> list[set[int]]:
         later = set(order[t + 1 :])
         rs = set(op.inputs) | set(op.outputs)
         for tid, tensor in enumerate(graph.tensors):
-            if tensor.persistent or (graph.producer[tid] in done and (
-                tensor.category is Category.OUTPUT
-                or any(c in later for c in graph.consumers[tid])
-            )):
+            if tensor.persistent or (
+                graph.producer[tid] in done
+                and (tensor.category is Category.OUTPUT or any(c in later for c in graph.consumers[tid]))
+            ):
                 rs.add(tid)
         sets.append(rs)
         done.add(op_id)

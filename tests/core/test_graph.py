@@ -49,7 +49,12 @@ tiny_dags = st.builds(random_dag, seed=st.integers(0, 10_000), num_ops=st.intege
 def chain() -> Graph:
     return make_graph(
         [Tensor("w", 100, Category.PARAMETER, True), Tensor("a", 4), Tensor("b", 8), Tensor("c", 2, Category.OUTPUT)],
-        [("w_in", "placeholder", [], ["w"]), ("f", "x", ["w"], ["a"]), ("g", "y", ["a"], ["b"]), ("h", "z", ["b"], ["c"])],
+        [
+            ("w_in", "placeholder", [], ["w"]),
+            ("f", "x", ["w"], ["a"]),
+            ("g", "y", ["a"], ["b"]),
+            ("h", "z", ["b"], ["c"]),
+        ],
     )
 
 
@@ -173,8 +178,13 @@ def test_json_round_trip(tmp_path_factory, graph):
 
 @pytest.mark.parametrize(
     "content",
-    ["not json", "[]", '{"format": "memplan-graph", "version": 99}', '{"format": "memplan-graph", "version": 1}',
-     '{"format": "memplan-graph", "version": 1, "tensors": [], "ops": [{"name": "a", "inputs": ["x"]}]}'],
+    [
+        "not json",
+        "[]",
+        '{"format": "memplan-graph", "version": 99}',
+        '{"format": "memplan-graph", "version": 1}',
+        '{"format": "memplan-graph", "version": 1, "tensors": [], "ops": [{"name": "a", "inputs": ["x"]}]}',
+    ],
 )
 def test_malformed_json_gives_one_line(tmp_path, content):
     path = tmp_path / "bad.json"

@@ -95,6 +95,4 @@ def validate_order(graph: Graph, order: Sequence[int]) -> None:
     for op_id, preds in enumerate(graph.predecessors):
         for p in preds:
             if position[p] >= position[op_id]:
-                raise InvalidOrder(
-                    f"order runs {graph.ops[op_id].name!r} before its predecessor {graph.ops[p].name!r}"
-                )
+                raise InvalidOrder(f"order runs {graph.ops[op_id].name!r} before its predecessor {graph.ops[p].name!r}")

@@ -51,14 +51,19 @@ def graph_to_dict(graph: Graph) -> dict[str, Any]:
 def graph_from_dict(data: Any, source: str = "graph") -> Graph:
     """Build and validate a graph; raise :class:`GraphFormatError` with one line on bad input."""
     if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
-        raise GraphFormatError(f"{source}: not a memplan graph (expected \"format\": \"{FORMAT_NAME}\")")
+        raise GraphFormatError(f'{source}: not a memplan graph (expected "format": "{FORMAT_NAME}")')
     if data.get("version") != FORMAT_VERSION:
         raise GraphFormatError(
             f"{source}: graph format version {data.get('version')!r} is not supported (this memplan reads {FORMAT_VERSION})"
         )
     try:
         tensors = tuple(
-            Tensor(str(t["name"]), int(t["size_bytes"]), Category(t.get("category", "activation")), bool(t.get("persistent", False)))
+            Tensor(
+                str(t["name"]),
+                int(t["size_bytes"]),
+                Category(t.get("category", "activation")),
+                bool(t.get("persistent", False)),
+            )
             for t in data["tensors"]
         )
         index = {t.name: TensorId(i) for i, t in enumerate(tensors)}

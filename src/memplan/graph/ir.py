@@ -42,9 +42,7 @@ class Category(str, Enum):
     CONTROL = "control"
 
 
-PERSISTENT_CATEGORIES = frozenset(
-    {Category.PARAMETER, Category.OPTIMIZER_STATE, Category.BUFFER, Category.INPUT}
-)
+PERSISTENT_CATEGORIES = frozenset({Category.PARAMETER, Category.OPTIMIZER_STATE, Category.BUFFER, Category.INPUT})
 
 
 @dataclass(frozen=True)
@@ -111,9 +109,7 @@ class Graph:
     def predecessors(self) -> tuple[tuple[OpId, ...], ...]:
         """Ops whose outputs each op reads (data and control edges), no repeats."""
         producer = self.producer
-        return tuple(
-            tuple(dict.fromkeys(producer[t] for t in op.inputs)) for op in self.ops
-        )
+        return tuple(tuple(dict.fromkeys(producer[t] for t in op.inputs)) for op in self.ops)
 
     @cached_property
     def successors(self) -> tuple[tuple[OpId, ...], ...]:
@@ -166,7 +162,5 @@ def make_graph(
     for spec in ops:
         op_name, kind, ins, outs = spec[0], spec[1], spec[2], spec[3]
         stream = spec[4] if len(spec) > 4 else 0  # type: ignore[misc]
-        built.append(
-            Op(op_name, kind, tuple(index[n] for n in ins), tuple(index[n] for n in outs), stream)
-        )
+        built.append(Op(op_name, kind, tuple(index[n] for n in ins), tuple(index[n] for n in outs), stream))
     return Graph(tuple(built), tuple(tensors), name)
