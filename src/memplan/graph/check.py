@@ -32,6 +32,9 @@ def validate_graph(graph: Graph) -> None:
                 raise DanglingReference(f"op {op.name!r} refers to tensor #{t}, which does not exist")
         for t in op.outputs:
             producers[t].append(op_id)
+        for t in op.mutates:
+            if t not in op.inputs:
+                raise DanglingReference(f"op {op.name!r} mutates tensor #{t} without reading it")
     for t_id, tensor in enumerate(graph.tensors):
         if len(producers[t_id]) != 1:
             names = [graph.ops[p].name for p in producers[t_id]]

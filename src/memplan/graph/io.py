@@ -42,6 +42,7 @@ def graph_to_dict(graph: Graph) -> dict[str, Any]:
                 "inputs": [names[t] for t in op.inputs],
                 "outputs": [names[t] for t in op.outputs],
                 "stream": op.stream,
+                **({"mutates": [names[t] for t in op.mutates]} if op.mutates else {}),
             }
             for op in graph.ops
         ],
@@ -74,6 +75,7 @@ def graph_from_dict(data: Any, source: str = "graph") -> Graph:
                 tuple(_lookup(index, n, o["name"]) for n in o.get("inputs", [])),
                 tuple(_lookup(index, n, o["name"]) for n in o.get("outputs", [])),
                 int(o.get("stream", 0)),
+                tuple(_lookup(index, n, o["name"]) for n in o.get("mutates", [])),
             )
             for o in data["ops"]
         )

@@ -57,13 +57,19 @@ class Tensor:
 
 @dataclass(frozen=True)
 class Op:
-    """One operator: reads ``inputs``, allocates ``outputs``, runs on ``stream``."""
+    """One operator: reads ``inputs``, allocates ``outputs``, runs on ``stream``.
+
+    ``mutates`` lists the inputs it writes in place (an optimizer's update of a parameter,
+    BatchNorm's running statistics); capture orders every such write against the other
+    readers of that storage with control edges.
+    """
 
     name: str
     kind: str
     inputs: tuple[TensorId, ...] = ()
     outputs: tuple[TensorId, ...] = ()
     stream: int = 0
+    mutates: tuple[TensorId, ...] = ()
 
 
 @dataclass(frozen=True)
