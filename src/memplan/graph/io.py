@@ -55,7 +55,8 @@ def graph_from_dict(data: Any, source: str = "graph") -> Graph:
         raise GraphFormatError(f'{source}: not a memplan graph (expected "format": "{FORMAT_NAME}")')
     if data.get("version") != FORMAT_VERSION:
         raise GraphFormatError(
-            f"{source}: graph format version {data.get('version')!r} is not supported (this memplan reads {FORMAT_VERSION})"
+            f"{source}: graph format version {data.get('version')!r} is not supported "
+            f"(this memplan reads version {FORMAT_VERSION})"
         )
     try:
         tensors = tuple(

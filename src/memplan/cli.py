@@ -1,0 +1,47 @@
+"""The ``memplan`` command line. Each command lives in ``memplan.commands.<name>``."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import typer
+
+from memplan.errors import MemplanError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Plan the memory of PyTorch training and inference steps without changing their math.",
+)
+
+COMMAND_MODULES = ("analyze",)
+
+for _name in COMMAND_MODULES:
+    importlib.import_module(f"memplan.commands.{_name}").register(app)
+
+
+def main() -> None:
+    """Entry point: a MemplanError becomes one line on stderr and exit code 2."""
+    try:
+        app(standalone_mode=False)
+    except MemplanError as err:
+        print(f"memplan: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except (typer.Exit, SystemExit) as exit_:
+        sys.exit(getattr(exit_, "exit_code", getattr(exit_, "code", 0)))
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as err:
+        # usage errors (typer's vendored click) carry show() and exit_code
+        if hasattr(err, "show") and hasattr(err, "exit_code"):
+            err.show()
+            sys.exit(err.exit_code)
+        if type(err).__name__ == "Abort":
+            sys.exit(130)
+        raise
+
+
+if __name__ == "__main__":  # python -m memplan.cli
+    main()

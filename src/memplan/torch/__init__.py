@@ -1,0 +1,1 @@
+"""The torch edge of memplan: capture, measurement, the model zoo, the runtime."""

@@ -1,0 +1,466 @@
+"""Capture one training or inference step of a real PyTorch model as a memplan Graph.
+
+The step is traced with ``make_fx`` on FakeTensors, so sizes come without allocating: the
+forward, the backward in autograd order and the optimizer's updates after the whole backward,
+exactly the order eager PyTorch runs them (OLLA 2.1: the whole training step as one graph).
+
+Memplan models *storages*, not tensor objects: a view or an in-place result shares its base's
+storage and counts once. Such a result becomes a 0-byte alias handle that orders its readers
+after the op that made it. In-place writes (schema ``is_write``, plus BatchNorm's running
+statistics, which ``native_batch_norm`` writes although its schema does not say so) are
+ordered against the other readers of the storage by control edges (read-after-write,
+write-after-read, write-after-write); random ops are chained so their relative order, and so
+the random stream, never changes.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.fx
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
+
+import torch
+from memplan.errors import CaptureError, DataDependentControlFlow, DynamicShape, UnsupportedOp
+from memplan.graph.check import validate_graph
+from memplan.graph.ir import Category, Graph, Op, OpId, Tensor, TensorId
+from memplan.torch.fake import fake_clone_module, fake_clone_optimizer, fake_mode_of
+
+BACKWARD_MARK = "memplan::backward"
+RELEASE_KIND = "memplan.release"
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+# Ops that write an argument although their schema does not mark it (running statistics).
+_HIDDEN_WRITES: dict[str, tuple[int, ...]] = {
+    "aten::native_batch_norm": (3, 4),
+    "aten::_native_batch_norm_legit": (3, 4),
+    "aten::cudnn_batch_norm": (3, 4),
+    "aten::miopen_batch_norm": (3, 4),
+}
+_SKIPPED_NAMESPACES = ("profiler",)
+
+
+@dataclass
+class Capture:
+    """A captured step: the graph, the fx program it came from, and how they correspond."""
+
+    graph: Graph
+    gm: torch.fx.GraphModule
+    mode: str
+    capture_seconds: float
+    node_of_op: list[str] = field(default_factory=list)
+    tensor_of_storage: dict[int, TensorId] = field(default_factory=dict)
+
+
+def call_model(model: torch.nn.Module, inputs: Any) -> Any:
+    """``model(*inputs)`` for a tuple, ``model(**inputs)`` for a dict, else ``model(inputs)``."""
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    return model(inputs)
+
+
+def capture_train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    batch: tuple[Any, Any],
+    *,
+    name: str = "",
+) -> Capture:
+    """Capture ``loss = loss_fn(model(inputs), target); loss.backward(); optimizer.step();
+    optimizer.zero_grad(set_to_none=True)`` for ``batch = (inputs, target)``.
+
+    The user's model and optimizer are never modified: capture runs on fake copies. The
+    steady-state step is captured: if the optimizer has no state yet (it is created lazily by
+    the first ``step()``), one fake step creates it first.
+    """
+    model, optimizer, batch, mode = _fake_setup(model, optimizer, batch)
+
+    def step(flat_batch: list[torch.Tensor]) -> torch.Tensor:
+        inputs, target = pytree.tree_unflatten(flat_batch, spec)
+        loss = loss_fn(call_model(model, inputs), target)
+        with torch.autograd.profiler.record_function(BACKWARD_MARK):
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    flat, spec = pytree.tree_flatten(batch)
+    _check_trainable(model)
+    with mode:
+        if not optimizer.state:
+            _guarded(step, flat)  # creates the optimizer state lazily: plan the steady state
+        grads = _GradRecorder(model)
+    categories = _persistent_categories(model, optimizer)
+    start = time.perf_counter()
+    try:
+        gm = _trace(step, flat)
+    finally:
+        grads.remove()
+    seconds = time.perf_counter() - start
+    return _to_capture(gm, categories, grads.storages, "train", seconds, name)
+
+
+def capture_infer_step(model: torch.nn.Module, inputs: Any, *, name: str = "") -> Capture:
+    """Capture ``with torch.no_grad(): model(inputs)``."""
+    mode = fake_mode_of(model)
+    if mode is None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode()
+        model, _ = fake_clone_module(model, mode)
+    inputs = _fake_batch(inputs, mode)
+    categories = _persistent_categories(model, None)
+
+    def step(flat_inputs: list[torch.Tensor]) -> Any:
+        with torch.no_grad():
+            return call_model(model, pytree.tree_unflatten(flat_inputs, spec))
+
+    flat, spec = pytree.tree_flatten(inputs)
+    start = time.perf_counter()
+    gm = _trace(step, flat)
+    return _to_capture(gm, categories, set(), "infer", time.perf_counter() - start, name)
+
+
+def _fake_setup(model, optimizer, batch):
+    mode = fake_mode_of(model)
+    if mode is None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode()
+        model, fakes = fake_clone_module(model, mode)
+        optimizer = fake_clone_optimizer(optimizer, fakes, mode)
+    return model, optimizer, _fake_batch(batch, mode), mode
+
+
+def _fake_batch(batch: Any, mode) -> Any:
+    def to_fake(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and fake_mode_of(torch.nn.Module(), x) is None:
+            return mode.from_tensor(x)
+        return x
+
+    return pytree.tree_map(to_fake, batch)
+
+
+def _check_trainable(model: torch.nn.Module) -> None:
+    if not any(p.requires_grad for p in model.parameters()):
+        raise CaptureError("the model has no parameter that requires grad: use --mode infer for inference")
+
+
+class _GradRecorder:
+    """Records the storage of every gradient as autograd accumulates it."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.storages: set[int] = set()
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._record) for p in model.parameters() if p.requires_grad
+        ]
+
+    def _record(self, param: torch.Tensor) -> None:
+        if param.grad is not None:
+            self.storages.add(_storage_key(param.grad))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def _persistent_categories(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[int, tuple]:
+    """``storage key -> (category, name)`` of every tensor that outlives the step."""
+    out: dict[int, tuple] = {}
+    for name, p in model.named_parameters(remove_duplicate=True):
+        out.setdefault(_storage_key(p), (Category.PARAMETER, f"param:{name}"))
+    for name, b in model.named_buffers(remove_duplicate=True):
+        out.setdefault(_storage_key(b), (Category.BUFFER, f"buffer:{name}"))
+    if optimizer is not None:
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
+        for p, state in optimizer.state.items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    label = f"state:{names.get(id(p), 'param')}.{key}"
+                    out.setdefault(_storage_key(value), (Category.OPTIMIZER_STATE, label))
+    return out
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return StorageWeakRef(t.untyped_storage()).cdata
+
+
+def _trace(step: Callable, flat: Sequence[torch.Tensor]) -> torch.fx.GraphModule:
+    return _guarded(make_fx(step, tracing_mode="fake"), list(flat))
+
+
+def _guarded(fn: Callable, *args: Any) -> Any:
+    """Run ``fn`` and turn what goes wrong into one-line capture errors (cause chained)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    try:
+        return fn(*args)
+    except DynamicOutputShapeException as err:
+        raise DynamicShape(
+            f"op {err.func} has an output whose size depends on the data; memplan plans static shapes "
+            "only: move it out of the step or give it a fixed size"
+        ) from None
+    except DataDependentOutputException as err:
+        raise DataDependentControlFlow(
+            f"the step reads a tensor's value ({err.func}) to decide what to run (data-dependent control flow); "
+            "memplan needs a step whose ops do not depend on data: remove the branch or capture each branch"
+        ) from None
+    except Exception as err:
+        if "data-dependent" in str(err) or "GuardOnDataDependent" in type(err).__name__:
+            raise DataDependentControlFlow(
+                "the step branches on a tensor's value (data-dependent control flow); memplan needs a step "
+                "whose ops do not depend on data: remove the branch or capture each branch"
+            ) from None
+        first_line = (str(err).strip().splitlines() or [""])[0]
+        raise CaptureError(f"the step raised {type(err).__name__} while being captured: {first_line}") from err
+
+
+# --------------------------------------------------------------------------- fx -> Graph
+
+
+class _Builder:
+    """Turns a traced fx graph into a memplan Graph, storage by storage."""
+
+    def __init__(self, categories: dict[int, tuple], grad_storages: set[int], mode: str) -> None:
+        self.categories = categories
+        self.grad_storages = grad_storages
+        self.mode = mode
+        self.tensors: list[Tensor] = []
+        self.ops: list[Op] = []
+        self.node_of_op: list[str] = []
+        self.storage_tensor: dict[int, TensorId] = {}
+        self.value_refs: dict[str, list[tuple[TensorId, ...]]] = {}  # node -> per output: tensors to read
+        self.last_writer: dict[int, TensorId] = {}  # storage -> alias handle of its last writer
+        self.readers_since_write: dict[int, list[OpId]] = {}
+        self.control_out: dict[OpId, TensorId] = {}
+        self.extra_inputs: dict[OpId, list[TensorId]] = {}
+        self.last_rng: OpId | None = None
+        self.phase = "forward"
+
+    # ---- tensors and ops
+    def new_tensor(self, name: str, size: int, category: Category, persistent: bool = False) -> TensorId:
+        self.tensors.append(Tensor(name, size, category, persistent))
+        return TensorId(len(self.tensors) - 1)
+
+    def new_op(self, name: str, kind: str, inputs: list[TensorId], outputs: list[TensorId], mutates=()) -> OpId:
+        self.ops.append(Op(name, kind, tuple(dict.fromkeys(inputs)), tuple(outputs), 0, tuple(mutates)))
+        self.node_of_op.append(name)
+        return OpId(len(self.ops) - 1)
+
+    def control_of(self, op: OpId) -> TensorId:
+        """A 0-byte control tensor produced by ``op`` (created once, attached afterwards)."""
+        if op not in self.control_out:
+            t = self.new_tensor(f"{self.ops[op].name}.ctl", 0, Category.CONTROL)
+            old = self.ops[op]
+            self.ops[op] = Op(old.name, old.kind, old.inputs, (*old.outputs, t), old.stream, old.mutates)
+            self.control_out[op] = t
+        return self.control_out[op]
+
+    # ---- nodes
+    def placeholder(self, node: torch.fx.Node, value: Any, default: tuple) -> None:
+        refs = []
+        for leaf in _tensor_leaves(value):
+            key = _storage_key(leaf)
+            if key not in self.storage_tensor:
+                category, label = self.categories.get(key, default)
+                nbytes = leaf.untyped_storage().nbytes()
+                t = self.new_tensor(label if label else node.name, nbytes, category, persistent=True)
+                self.new_op(f"{node.name}", "placeholder", [], [t])
+                self.storage_tensor[key] = t
+            refs.append((self.storage_tensor[key],))
+        self.value_refs[node.name] = refs
+
+    def call(self, node: torch.fx.Node) -> None:
+        target = node.target
+        kind = str(target)
+        inputs, input_storages = self._inputs_of(node)
+        written = _written_storages(node)
+        op_name = node.name
+        outputs: list[TensorId] = []
+        refs: list[tuple[TensorId, ...]] = []
+        pending_new: list[tuple[int, int]] = []
+        for i, leaf in enumerate(_tensor_leaves(node.meta.get("val"))):
+            _check_static(leaf, node)
+            key = _storage_key(leaf)
+            suffix = "" if i == 0 else f".{i}"
+            if key in self.storage_tensor:  # a view or an in-place result: an alias handle
+                handle = self.new_tensor(f"{op_name}{suffix}.alias", 0, Category.CONTROL)
+                outputs.append(handle)
+                refs.append((self.storage_tensor[key], handle))
+            else:
+                t = self.new_tensor(f"{op_name}{suffix}", leaf.untyped_storage().nbytes(), self._category(key))
+                outputs.append(t)
+                refs.append((t,))
+                pending_new.append((key, t))
+        mutated = [self.storage_tensor[k] for k in written if k in self.storage_tensor]
+        op = self.new_op(op_name, kind, inputs, outputs, mutated)
+        for key, t in pending_new:
+            self.storage_tensor[key] = t
+        self._order_against_writes(op, input_storages, written)
+        if _is_random(target):
+            if self.last_rng is not None:
+                self._add_input(op, self.control_of(self.last_rng))
+            self.last_rng = op
+        self.value_refs[node.name] = refs
+
+    def getitem(self, node: torch.fx.Node) -> None:
+        source, index = node.args
+        refs = self.value_refs.get(source.name, [])
+        leaves = _tensor_leaves(source.meta.get("val"))
+        position = _leaf_position(source.meta.get("val"), index, leaves)
+        self.value_refs[node.name] = [refs[position]] if position is not None and position < len(refs) else []
+
+    def _inputs_of(self, node: torch.fx.Node) -> tuple[list[TensorId], list[int]]:
+        inputs: list[TensorId] = []
+        storages: list[int] = []
+        for arg in pytree.tree_leaves((node.args, node.kwargs)):
+            if isinstance(arg, torch.fx.Node):
+                for ref in self.value_refs.get(arg.name, []):
+                    inputs.extend(ref)
+                for leaf in _tensor_leaves(arg.meta.get("val")):
+                    storages.append(_storage_key(leaf))
+        return inputs, storages
+
+    def _order_against_writes(self, op: OpId, read: list[int], written: list[int]) -> None:
+        """Read-after-write, write-after-read and write-after-write edges on shared storages."""
+        for key in dict.fromkeys(read):
+            if key in self.last_writer:
+                self._add_input(op, self.last_writer[key])
+            if key not in written:
+                self.readers_since_write.setdefault(key, []).append(op)
+        for key in written:
+            for reader in self.readers_since_write.pop(key, []):
+                if reader != op:
+                    self._add_input(op, self.control_of(reader))
+            self.last_writer[key] = self.control_of(op)
+
+    def _add_input(self, op: OpId, tensor: TensorId) -> None:
+        old = self.ops[op]
+        if tensor not in old.inputs and tensor not in old.outputs:
+            self.ops[op] = Op(old.name, old.kind, (*old.inputs, tensor), old.outputs, old.stream, old.mutates)
+
+    def _category(self, key: int) -> Category:
+        if key in self.grad_storages:
+            return Category.GRADIENT
+        if self.mode == "infer" or self.phase == "forward":
+            return Category.ACTIVATION
+        return Category.TEMPORARY
+
+    def release_gradients(self) -> None:
+        """One no-op per gradient where ``zero_grad(set_to_none=True)`` drops it: eager holds
+        every ``.grad`` until then. A reordering may run a release right after the update."""
+        for t_id, tensor in enumerate(list(self.tensors)):
+            if tensor.category is Category.GRADIENT:
+                self.new_op(f"release:{tensor.name}", RELEASE_KIND, [TensorId(t_id)], [])
+
+    def output(self, node: torch.fx.Node) -> None:
+        for arg in pytree.tree_leaves(node.args):
+            if isinstance(arg, torch.fx.Node):
+                for ref in self.value_refs.get(arg.name, []):
+                    t = ref[0]
+                    old = self.tensors[t]
+                    if not old.persistent:
+                        self.tensors[t] = Tensor(old.name, old.size_bytes, Category.OUTPUT, False)
+
+
+def _to_capture(
+    gm: torch.fx.GraphModule, categories: dict[int, tuple], grads: set[int], mode: str, seconds: float, name: str
+) -> Capture:
+    builder = _Builder(categories, grads, mode)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            builder.placeholder(node, node.meta.get("val"), (Category.INPUT, ""))
+        elif node.op == "get_attr":
+            value = getattr(gm, node.target)
+            if isinstance(value, torch.Tensor):
+                builder.placeholder(node, value, (Category.BUFFER, f"const:{node.target}"))
+                builder.value_refs[node.name] = [(builder.storage_tensor[_storage_key(value)],)]
+        elif node.op == "call_function":
+            _visit_call(builder, node)
+        elif node.op == "output":
+            if mode == "train":
+                builder.release_gradients()
+            builder.output(node)
+        else:
+            raise UnsupportedOp(f"fx node {node.name} of kind {node.op!r} is not supported")
+    graph = Graph(
+        tuple(builder.ops),
+        tuple(builder.tensors),
+        name,
+        {"mode": mode, "capture_seconds": round(seconds, 3)},
+    )
+    validate_graph(graph)
+    return Capture(graph, gm, mode, seconds, builder.node_of_op, dict(builder.storage_tensor))
+
+
+def _visit_call(builder: _Builder, node: torch.fx.Node) -> None:
+    target = node.target
+    if target is operator.getitem:
+        builder.getitem(node)
+        return
+    namespace = getattr(target, "namespace", "")
+    if namespace in _SKIPPED_NAMESPACES:
+        if node.args and node.args[0] == BACKWARD_MARK:
+            builder.phase = "backward"
+        elif node.args and isinstance(node.args[0], str) and node.args[0].startswith("Optimizer.step"):
+            builder.phase = "optimizer"
+        builder.value_refs[node.name] = []
+        return
+    if not isinstance(target, torch._ops.OpOverload):
+        raise UnsupportedOp(f"op {target} ({node.name}) is not an ATen op; memplan captures ATen programs only")
+    builder.call(node)
+
+
+def _tensor_leaves(value: Any) -> list[torch.Tensor]:
+    return [x for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor)]
+
+
+def _leaf_position(value: Any, index: int, leaves: list[torch.Tensor]) -> int | None:
+    if not isinstance(value, (tuple, list)) or index >= len(value):
+        return None
+    item = value[index]
+    if not isinstance(item, torch.Tensor):
+        return None
+    return sum(1 for x in value[:index] if isinstance(x, torch.Tensor))
+
+
+def _written_storages(node: torch.fx.Node) -> list[int]:
+    op = node.target
+    positions = list(_HIDDEN_WRITES.get(op._schema.name, ()))
+    if op._schema.name in _HIDDEN_WRITES and not _batch_norm_training(node):
+        positions = []
+    keys: list[int] = []
+    for i, arg in enumerate(op._schema.arguments):
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        is_write = arg.alias_info is not None and arg.alias_info.is_write
+        if (is_write or i in positions) and value is not None:
+            for leaf in pytree.tree_leaves(value):
+                if isinstance(leaf, torch.fx.Node):
+                    keys.extend(_storage_key(t) for t in _tensor_leaves(leaf.meta.get("val")))
+    return list(dict.fromkeys(keys))
+
+
+def _batch_norm_training(node: torch.fx.Node) -> bool:
+    training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training", False)
+    return bool(training)
+
+
+def _is_random(target: Any) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
+
+
+def _check_static(t: torch.Tensor, node: torch.fx.Node) -> None:
+    if any(not isinstance(s, int) for s in t.shape):
+        raise DynamicShape(
+            f"op {node.target} ({node.name}) has a symbolic shape {tuple(t.shape)}; memplan plans static shapes: "
+            "capture with concrete example inputs"
+        )

@@ -1,0 +1,99 @@
+"""Measure the live bytes of a real eager run: every storage an op creates is tracked until
+PyTorch frees it, so the peak is the largest total of storages alive at once.
+
+Storages keep their Python object alive as long as the C++ storage lives, so a finalizer on
+that object fires exactly when the memory is released.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torch
+
+
+class LiveBytesTracker(TorchDispatchMode):
+    """Counts the bytes of every storage alive; ``peak_bytes`` is the maximum seen.
+
+    Call :meth:`track` on the tensors that exist before the step (parameters, optimizer
+    state, the batch); everything ops create inside the mode is tracked automatically.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self._live: dict[int, int] = {}
+
+    def track(self, *tensors: Any) -> None:
+        for leaf in pytree.tree_leaves(tensors):
+            if isinstance(leaf, torch.Tensor):
+                self._track_storage(leaf.untyped_storage())
+
+    def _track_storage(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        if key in self._live or storage.nbytes() == 0:
+            return
+        self._live[key] = storage.nbytes()
+        self.current_bytes += storage.nbytes()
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        weakref.finalize(storage, self._release, key)
+
+    def _release(self, key: int) -> None:
+        self.current_bytes -= self._live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.track(out)
+        return out
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def measure_train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Any,
+    batch: tuple[Any, Any],
+    *,
+    warmup: bool = True,
+) -> int:
+    """Peak live bytes of one real eager step ``loss_fn(model(inputs), target); backward;
+    step; zero_grad(set_to_none=True)``, counting parameters, buffers, optimizer state and the
+    batch. With ``warmup`` one step runs first so the optimizer state exists (steady state)."""
+    from memplan.torch.capture import call_model
+
+    inputs, target = batch
+
+    def step() -> None:
+        loss = loss_fn(call_model(model, inputs), target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        del loss
+
+    if warmup:
+        step()
+    tracker = LiveBytesTracker()
+    tracker.track(list(model.parameters()), list(model.buffers()), optimizer_state_tensors(optimizer), batch)
+    with tracker:
+        step()
+    return tracker.peak_bytes
+
+
+def measure_infer_step(model: torch.nn.Module, inputs: Any) -> int:
+    """Peak live bytes of ``with torch.no_grad(): model(inputs)``, parameters included."""
+    from memplan.torch.capture import call_model
+
+    tracker = LiveBytesTracker()
+    tracker.track(list(model.parameters()), list(model.buffers()), inputs)
+    with tracker, torch.no_grad():
+        out = call_model(model, inputs)
+        del out
+    return tracker.peak_bytes
