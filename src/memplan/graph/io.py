@@ -43,6 +43,7 @@ def graph_to_dict(graph: Graph) -> dict[str, Any]:
                 "outputs": [names[t] for t in op.outputs],
                 "stream": op.stream,
                 **({"mutates": [names[t] for t in op.mutates]} if op.mutates else {}),
+                **({"flops": op.flops} if op.flops else {}),
             }
             for op in graph.ops
         ],
@@ -77,6 +78,7 @@ def graph_from_dict(data: Any, source: str = "graph") -> Graph:
                 tuple(_lookup(index, n, o["name"]) for n in o.get("outputs", [])),
                 int(o.get("stream", 0)),
                 tuple(_lookup(index, n, o["name"]) for n in o.get("mutates", [])),
+                int(o.get("flops", 0)),
             )
             for o in data["ops"]
         )

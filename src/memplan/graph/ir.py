@@ -61,7 +61,8 @@ class Op:
 
     ``mutates`` lists the inputs it writes in place (an optimizer's update of a parameter,
     BatchNorm's running statistics); capture orders every such write against the other
-    readers of that storage with control edges.
+    readers of that storage with control edges. ``flops`` is its compute cost (the cost
+    model of rematerialisation, Checkmate section 4.1); 0 when unknown.
     """
 
     name: str
@@ -70,6 +71,7 @@ class Op:
     outputs: tuple[TensorId, ...] = ()
     stream: int = 0
     mutates: tuple[TensorId, ...] = ()
+    flops: int = 0
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ the random stream, never changes.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import time
 from collections.abc import Callable, Sequence
@@ -251,8 +252,10 @@ class _Builder:
         self.tensors.append(Tensor(name, size, category, persistent))
         return TensorId(len(self.tensors) - 1)
 
-    def new_op(self, name: str, kind: str, inputs: list[TensorId], outputs: list[TensorId], mutates=()) -> OpId:
-        self.ops.append(Op(name, kind, tuple(dict.fromkeys(inputs)), tuple(outputs), 0, tuple(mutates)))
+    def new_op(
+        self, name: str, kind: str, inputs: list[TensorId], outputs: list[TensorId], mutates=(), flops: int = 0
+    ) -> OpId:
+        self.ops.append(Op(name, kind, tuple(dict.fromkeys(inputs)), tuple(outputs), 0, tuple(mutates), flops))
         self.node_of_op.append(name)
         return OpId(len(self.ops) - 1)
 
@@ -261,7 +264,7 @@ class _Builder:
         if op not in self.control_out:
             t = self.new_tensor(f"{self.ops[op].name}.ctl", 0, Category.CONTROL)
             old = self.ops[op]
-            self.ops[op] = Op(old.name, old.kind, old.inputs, (*old.outputs, t), old.stream, old.mutates)
+            self.ops[op] = dataclasses.replace(old, outputs=(*old.outputs, t))
             self.control_out[op] = t
         return self.control_out[op]
 
@@ -302,7 +305,7 @@ class _Builder:
                 refs.append((t,))
                 pending_new.append((key, t))
         mutated = [self.storage_tensor[k] for k in written if k in self.storage_tensor]
-        op = self.new_op(op_name, kind, inputs, outputs, mutated)
+        op = self.new_op(op_name, kind, inputs, outputs, mutated, op_flops(node))
         for key, t in pending_new:
             self.storage_tensor[key] = t
         self._order_against_writes(op, input_storages, written)
@@ -346,7 +349,7 @@ class _Builder:
     def _add_input(self, op: OpId, tensor: TensorId) -> None:
         old = self.ops[op]
         if tensor not in old.inputs and tensor not in old.outputs:
-            self.ops[op] = Op(old.name, old.kind, (*old.inputs, tensor), old.outputs, old.stream, old.mutates)
+            self.ops[op] = dataclasses.replace(old, inputs=(*old.inputs, tensor))
 
     def _category(self, key: int) -> Category:
         if key in self.grad_storages:
@@ -418,6 +421,22 @@ def _visit_call(builder: _Builder, node: torch.fx.Node) -> None:
     if not isinstance(target, torch._ops.OpOverload):
         raise UnsupportedOp(f"op {target} ({node.name}) is not an ATen op; memplan captures ATen programs only")
     builder.call(node)
+
+
+def op_flops(node: torch.fx.Node) -> int:
+    """FLOPs of one op: torch.utils.flop_counter's formula where it has one (matmuls,
+    convolutions, attention), else one per output element (the stated default)."""
+    from torch.utils.flop_counter import flop_registry
+
+    out = node.meta.get("val")
+    formula = flop_registry.get(node.target.overloadpacket)
+    if formula is not None:
+        args, kwargs = pytree.tree_map_only(torch.fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
+        try:
+            return int(formula(*args, **kwargs, out_val=out))
+        except Exception:  # a formula that cannot read these arguments: fall back to the default
+            pass
+    return sum(t.numel() for t in _tensor_leaves(out))
 
 
 def _tensor_leaves(value: Any) -> list[torch.Tensor]:
