@@ -57,6 +57,9 @@ class Capture:
     capture_seconds: float
     node_of_op: list[str] = field(default_factory=list)
     tensor_of_storage: dict[int, TensorId] = field(default_factory=dict)
+    op_phase: list[str] = field(default_factory=list)  # "input", "forward", "backward", "optimizer"
+    grad_storage_by_param: dict[str, int] = field(default_factory=dict)  # param name -> storage key
+    batch_spec: Any = None  # pytree spec of the flattened batch the step takes
 
 
 def call_model(model: torch.nn.Module, inputs: Any) -> Any:
@@ -107,7 +110,10 @@ def capture_train_step(
     finally:
         grads.remove()
     seconds = time.perf_counter() - start
-    return _to_capture(gm, categories, grads.storages, "train", seconds, name)
+    capture = _to_capture(gm, categories, grads.storages, "train", seconds, name)
+    capture.grad_storage_by_param = dict(grads.by_param)
+    capture.batch_spec = spec
+    return capture
 
 
 def capture_infer_step(model: torch.nn.Module, inputs: Any, *, name: str = "") -> Capture:
@@ -128,7 +134,9 @@ def capture_infer_step(model: torch.nn.Module, inputs: Any, *, name: str = "") -
     flat, spec = pytree.tree_flatten(inputs)
     start = time.perf_counter()
     gm = _trace(step, flat)
-    return _to_capture(gm, categories, set(), "infer", time.perf_counter() - start, name)
+    capture = _to_capture(gm, categories, set(), "infer", time.perf_counter() - start, name)
+    capture.batch_spec = spec
+    return capture
 
 
 def _fake_setup(model, optimizer, batch):
@@ -160,14 +168,20 @@ class _GradRecorder:
     """Records the storage of every gradient as autograd accumulates it."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.storages: set[int] = set()
+        self.by_param: dict[str, int] = {}
         self._handles = [
-            p.register_post_accumulate_grad_hook(self._record) for p in model.parameters() if p.requires_grad
+            p.register_post_accumulate_grad_hook(lambda p, name=name: self._record(name, p))
+            for name, p in model.named_parameters()
+            if p.requires_grad
         ]
 
-    def _record(self, param: torch.Tensor) -> None:
+    @property
+    def storages(self) -> set[int]:
+        return set(self.by_param.values())
+
+    def _record(self, name: str, param: torch.Tensor) -> None:
         if param.grad is not None:
-            self.storages.add(_storage_key(param.grad))
+            self.by_param[name] = _storage_key(param.grad)
 
     def remove(self) -> None:
         for h in self._handles:
@@ -246,6 +260,7 @@ class _Builder:
         self.extra_inputs: dict[OpId, list[TensorId]] = {}
         self.last_rng: OpId | None = None
         self.phase = "forward"
+        self.op_phase: list[str] = []
 
     # ---- tensors and ops
     def new_tensor(self, name: str, size: int, category: Category, persistent: bool = False) -> TensorId:
@@ -257,6 +272,8 @@ class _Builder:
     ) -> OpId:
         self.ops.append(Op(name, kind, tuple(dict.fromkeys(inputs)), tuple(outputs), 0, tuple(mutates), flops))
         self.node_of_op.append(name)
+        phase = {"placeholder": "input", RELEASE_KIND: "release"}.get(kind, self.phase)
+        self.op_phase.append(phase)
         return OpId(len(self.ops) - 1)
 
     def control_of(self, op: OpId) -> TensorId:
@@ -402,7 +419,7 @@ def _to_capture(
         {"mode": mode, "capture_seconds": round(seconds, 3)},
     )
     validate_graph(graph)
-    return Capture(graph, gm, mode, seconds, builder.node_of_op, dict(builder.storage_tensor))
+    return Capture(graph, gm, mode, seconds, builder.node_of_op, dict(builder.storage_tensor), builder.op_phase)
 
 
 def _visit_call(builder: _Builder, node: torch.fx.Node) -> None:

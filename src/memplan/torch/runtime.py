@@ -1,0 +1,407 @@
+"""Run a plan: the captured step, in the planned order, with every planned tensor at its
+planned offset in one preallocated arena (OLLA 3.5; Sekiyama et al. 4.2: planned addresses
+served at run time, no allocator search on the hot path).
+
+Forward and backward ops are interpreted from the traced fx program on the real model's
+parameters and buffers. An op writes a fresh output straight into its arena view through its
+``out=`` overload when that overload has a real kernel; otherwise it computes and the result
+is copied into its view (a counted fallback). The optimizer is the user's own: at the planned
+position of each parameter's update, the real ``optimizer.step()`` runs on that one parameter,
+so step counts, learning-rate changes and state stay the optimizer's and numerics equal eager
+PyTorch exactly. Parameters and optimizer state are never copied.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+from memplan.errors import MemplanError, UnsupportedOp
+from memplan.graph.ir import Category, Graph, TensorId
+from memplan.torch.capture import Capture, _storage_key
+
+ARENA_ALIGNMENT_BYTES = 64
+_EMPTY_FACTORIES = {"aten::empty_like", "aten::empty", "aten::empty_strided", "aten::new_empty"}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to run: an order of the captured graph's ops and, for every planned tensor, a byte
+    offset in an arena of ``arena_bytes`` (no offsets: every tensor from the allocator)."""
+
+    order: tuple[int, ...]
+    offsets: dict[TensorId, int] = field(default_factory=dict)
+    arena_bytes: int = 0
+
+
+@dataclass
+class RunStats:
+    """What one step did: bytes written in place into the arena, bytes computed then copied
+    into it, and bytes left to the allocator."""
+
+    out_bytes: int = 0
+    copied_bytes: int = 0
+    allocator_bytes: int = 0
+    copied_ops: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Output:
+    index: int  # position among the op's tensor outputs
+    tensor: TensorId
+    offset: int | None
+    meta: torch.Tensor  # the fake value: dtype, size, stride
+
+
+@dataclass(frozen=True)
+class _Call:
+    position: int
+    node: torch.fx.Node
+    fresh: tuple[_Output, ...]
+    strategy: str  # "out", "copy", "empty", "plain"
+    out_op: Any = None
+    out_names: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Update:
+    position: int
+    param_name: str
+    grad_node: torch.fx.Node
+
+
+def plannable_tensors(graph: Graph) -> list[TensorId]:
+    """Tensors that live in the arena: non-persistent, non-empty storages."""
+    return [TensorId(t) for t, x in enumerate(graph.tensors) if not x.persistent and x.size_bytes > 0]
+
+
+class StepRunner:
+    """Executes a :class:`Plan` of a captured training (or inference) step on a real model.
+
+    ``runner(batch)`` runs one step and returns the loss (or the model output), detached and
+    copied out of the arena.
+    """
+
+    def __init__(
+        self,
+        capture: Capture,
+        plan: Plan,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.capture = capture
+        self.plan = plan
+        self.model = model
+        self.optimizer = optimizer
+        self.graph = capture.graph
+        self.nodes = {n.name: n for n in capture.gm.graph.nodes}
+        self._check_plan()
+        self.arena = torch.empty(plan.arena_bytes, dtype=torch.uint8, device=device)
+        self.instructions = self._compile()
+        self.last_use = self._last_uses()
+        self.stats = RunStats()
+        self._params = dict(model.named_parameters())
+        self._buffers = dict(model.named_buffers())
+        self._attrs: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ compile
+    def _check_plan(self) -> None:
+        from memplan.graph.check import validate_order
+
+        validate_order(self.graph, self.plan.order)
+        if self.capture.mode == "train" and self.optimizer is None:
+            raise MemplanError("a training plan needs the optimizer whose steps it runs")
+        for t, offset in self.plan.offsets.items():
+            size = self.graph.tensors[t].size_bytes
+            if offset % ARENA_ALIGNMENT_BYTES or offset < 0 or offset + size > self.plan.arena_bytes:
+                raise MemplanError(f"tensor {self.graph.tensors[t].name!r} is misplaced at offset {offset}")
+
+    def _compile(self) -> list[_Call | _Update]:
+        groups = _optimizer_groups(self.capture, self.plan.order)
+        instructions: list[_Call | _Update] = []
+        for position, op_id in enumerate(self.plan.order):
+            phase = self.capture.op_phase[op_id]
+            if phase in ("input", "release"):
+                continue
+            if phase == "optimizer":
+                if op_id in groups:
+                    param_name, grad_node_name = groups[op_id]
+                    instructions.append(_Update(position, param_name, self.nodes[grad_node_name]))
+                continue
+            instructions.append(self._call(position, op_id))
+        return instructions
+
+    def _call(self, position: int, op_id: int) -> _Call:
+        node = self.nodes[self.capture.node_of_op[op_id]]
+        fresh = tuple(self._fresh_outputs(op_id, node))
+        planned = [o for o in fresh if o.offset is not None]
+        if not planned:
+            return _Call(position, node, fresh, "plain")
+        if node.target._schema.name in _EMPTY_FACTORIES and len(fresh) == 1:
+            return _Call(position, node, fresh, "empty")
+        out_op, names = _real_out_variant(node.target, len(_tensor_leaves(node.meta.get("val"))))
+        if out_op is not None and len(fresh) == len(names):
+            return _Call(position, node, fresh, "out", out_op, names)
+        return _Call(position, node, fresh, "copy")
+
+    def _fresh_outputs(self, op_id: int, node: torch.fx.Node) -> list[_Output]:
+        """The op's outputs that are new storages (views and in-place results are not)."""
+        leaves = _tensor_leaves(node.meta.get("val"))
+        tensor_of = self.capture.tensor_of_storage
+        outputs = []
+        for index, leaf in enumerate(leaves):
+            t = tensor_of.get(_storage_key(leaf))
+            if t is not None and self.graph.producer[t] == op_id and self.graph.tensors[t].size_bytes > 0:
+                outputs.append(_Output(index, t, self.plan.offsets.get(t), leaf))
+        return outputs
+
+    def _last_uses(self) -> dict[str, int]:
+        last: dict[str, int] = {}
+        for ins in self.instructions:
+            nodes = [ins.grad_node] if isinstance(ins, _Update) else _arg_nodes(ins.node)
+            for n in nodes:
+                last[_root(n).name] = ins.position
+        output = next(n for n in self.capture.gm.graph.nodes if n.op == "output")
+        for n in _arg_nodes(output):
+            last[_root(n).name] = len(self.plan.order)
+        return last
+
+    # ------------------------------------------------------------------ run
+    @torch.no_grad()
+    def __call__(self, batch: Any) -> Any:
+        """Run one step; the backward is in the program, so autograd stays off."""
+        env: dict[str, Any] = {}
+        self._bind_inputs(env, batch)
+        self.stats = RunStats()
+        frees = self._free_schedule()
+        for ins in self.instructions:
+            if isinstance(ins, _Update):
+                self._update(ins, env)
+            else:
+                env[ins.node.name] = self._execute(ins, env)
+            for name in frees.get(ins.position, ()):
+                env.pop(name, None)
+        return self._result(env)
+
+    def _free_schedule(self) -> dict[int, list[str]]:
+        frees: dict[int, list[str]] = {}
+        for name, position in self.last_use.items():
+            if self.nodes[name].op == "call_function":
+                frees.setdefault(position, []).append(name)
+        return frees
+
+    def _bind_inputs(self, env: dict[str, Any], batch: Any) -> None:
+        flat, spec = pytree.tree_flatten(batch)
+        placeholders = [n for n in self.capture.gm.graph.nodes if n.op == "placeholder"]
+        if spec != self.capture.batch_spec or len(flat) != len(placeholders):
+            raise MemplanError("the batch does not have the structure of the example batch the plan was made for")
+        for node, value in zip(placeholders, flat, strict=True):
+            expected = node.meta["val"]
+            if isinstance(value, torch.Tensor) and (value.shape != expected.shape or value.dtype != expected.dtype):
+                raise MemplanError(
+                    f"batch tensor of shape {tuple(value.shape)} {value.dtype} does not match the plan's "
+                    f"{tuple(expected.shape)} {expected.dtype}: make a plan for this shape"
+                )
+            env[node.name] = value
+        if self._attrs is None:
+            self._attrs = {n.name: self._real_attr(n) for n in self.capture.gm.graph.nodes if n.op == "get_attr"}
+        env.update(self._attrs)
+
+    def _real_attr(self, node: torch.fx.Node) -> Any:
+        fake = getattr(self.capture.gm, node.target)
+        t = self.capture.tensor_of_storage.get(_storage_key(fake))
+        name = self.graph.tensors[t].name if t is not None else ""
+        kind, _, key = name.partition(":")
+        if kind == "param":
+            return self._params[key]
+        if kind == "buffer":
+            return self._buffers[key]
+        if kind == "state":
+            return None  # read only by optimizer ops, which the real optimizer runs
+        constant = getattr(fake, "constant", None)
+        if constant is not None:
+            return constant
+        if fake.numel() == 0:
+            return torch.empty(fake.shape, dtype=fake.dtype, device=self.arena.device)
+        raise UnsupportedOp(f"the step uses a constant tensor {node.target} whose value capture could not keep")
+
+    def _execute(self, ins: _Call, env: dict[str, Any]) -> Any:
+        args, kwargs = _resolve((ins.node.args, ins.node.kwargs), env)
+        if ins.strategy == "plain":
+            self._count_allocator(ins)
+            return ins.node.target(*args, **kwargs)
+        views = {o.index: self._view(o) for o in ins.fresh if o.offset is not None}
+        if ins.strategy == "empty":
+            self.stats.out_bytes += _nbytes(ins.fresh[0])
+            return views[ins.fresh[0].index]
+        if ins.strategy == "out":
+            outs = {name: views[o.index] for name, o in zip(ins.out_names, ins.fresh, strict=True)}
+            result = ins.out_op(*args, **kwargs, **outs)
+            self.stats.out_bytes += sum(_nbytes(o) for o in ins.fresh)
+            return _with_views(ins.node.meta.get("val"), result, views)
+        result = ins.node.target(*args, **kwargs)
+        leaves = _tensor_leaves(result)
+        for o in ins.fresh:
+            if o.offset is not None:
+                views[o.index].copy_(leaves[o.index])
+                self.stats.copied_bytes += _nbytes(o)
+                key = str(ins.node.target)
+                self.stats.copied_ops[key] = self.stats.copied_ops.get(key, 0) + _nbytes(o)
+        return _with_views(ins.node.meta.get("val"), result, views)
+
+    def _count_allocator(self, ins: _Call) -> None:
+        self.stats.allocator_bytes += sum(_nbytes(o) for o in ins.fresh)
+
+    def _view(self, output: _Output) -> torch.Tensor:
+        meta = output.meta
+        nbytes = meta.untyped_storage().nbytes()
+        raw = self.arena[output.offset : output.offset + nbytes]
+        typed = raw.view(meta.dtype)
+        # as_strided's offset counts from the start of the arena's storage, not of the slice
+        return typed.as_strided(meta.shape, meta.stride(), typed.storage_offset() + meta.storage_offset())
+
+    def _update(self, ins: _Update, env: dict[str, Any]) -> None:
+        """Run the user's optimizer on one parameter whose gradient is ready (OLLA 4.3)."""
+        param = self._params[ins.param_name]
+        grad = _resolve(ins.grad_node, env)
+        group = next(g for g in self.optimizer.param_groups if any(p is param for p in g["params"]))
+        saved = self.optimizer.param_groups
+        param.grad = grad
+        try:
+            self.optimizer.param_groups = [{**group, "params": [param]}]
+            self.optimizer.step()
+        finally:
+            self.optimizer.param_groups = saved
+            param.grad = None
+
+    def _result(self, env: dict[str, Any]) -> Any:
+        output_node = next(n for n in self.capture.gm.graph.nodes if n.op == "output")
+        result = _resolve(output_node.args[0], env)
+        if isinstance(result, (list, tuple)) and len(result) == 1:
+            result = result[0]
+        return pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), result)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _optimizer_groups(capture: Capture, order: Sequence[int]) -> dict[int, tuple[str, str]]:
+    """``op id -> (param name, grad node)`` for the op at which each parameter's update runs.
+
+    Every optimizer op belongs to the parameter whose parameter, state or gradient storage it
+    reads (or whose temporaries it reads); a parameter's whole update runs at the latest
+    planned position of its ops, when everything it reads is ready.
+    """
+    graph = capture.graph
+    nodes = {n.name: n for n in capture.gm.graph.nodes}
+    owner = _tensor_owners(capture)
+    members: dict[str, list[int]] = {}
+    for op_id, op in enumerate(graph.ops):
+        if capture.op_phase[op_id] != "optimizer":
+            continue
+        params = [owner[t] for t in op.inputs if t in owner]
+        if not params:
+            continue
+        members.setdefault(params[0], []).append(op_id)
+        for t in op.outputs:
+            owner[t] = params[0]
+    position = {op: i for i, op in enumerate(order)}
+    groups: dict[int, tuple[str, str]] = {}
+    for name, ops in members.items():
+        grad_node = _find_grad_node(
+            [nodes[capture.node_of_op[o]] for o in ops], capture.grad_storage_by_param.get(name)
+        )
+        if grad_node is None:
+            raise UnsupportedOp(f"could not find the gradient the optimizer reads for parameter {name!r}")
+        groups[max(ops, key=position.__getitem__)] = (name, grad_node)
+    return groups
+
+
+def _tensor_owners(capture: Capture) -> dict[int, str]:
+    """``tensor -> parameter name`` for parameters, their optimizer state and gradients."""
+    graph = capture.graph
+    grads = {key: name for name, key in capture.grad_storage_by_param.items()}
+    owner: dict[int, str] = {}
+    for key, t in capture.tensor_of_storage.items():
+        kind, _, label = graph.tensors[t].name.partition(":")
+        if kind == "param":
+            owner[t] = label
+        elif kind == "state":
+            owner[t] = label.rsplit(".", 1)[0]
+        elif key in grads:
+            owner[t] = grads[key]
+    return owner
+
+
+def _find_grad_node(nodes: Sequence[torch.fx.Node], grad_key: int | None) -> str | None:
+    for node in nodes:
+        for arg in _arg_nodes(node):
+            val = arg.meta.get("val")
+            if isinstance(val, torch.Tensor) and _storage_key(val) == grad_key:
+                return arg.name
+    return None
+
+
+def _real_out_variant(op: Any, num_outputs: int) -> tuple[Any, tuple[str, ...]]:
+    """The ``out=`` overload of ``op`` if it has a real CPU kernel (not a wrapper that
+    allocates a temporary and copies), with the names of its out arguments."""
+    from torch._library._out_variant import to_out_variant
+
+    try:
+        out_op = to_out_variant(op)
+    except RuntimeError:
+        return None, ()
+    if out_op is None or not torch._C._dispatch_has_kernel_for_dispatch_key(out_op.name(), "CPU"):
+        return None, ()
+    names = tuple(a.name for a in out_op._schema.arguments if a.is_out)
+    return (out_op, names) if len(names) == num_outputs else (None, ())
+
+
+def _tensor_leaves(value: Any) -> list[Any]:
+    return [x for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor)]
+
+
+def _nbytes(output: _Output) -> int:
+    return output.meta.untyped_storage().nbytes()
+
+
+def _with_views(meta_value: Any, result: Any, views: dict[int, torch.Tensor]) -> Any:
+    """``result`` with its fresh tensor outputs replaced by their arena views."""
+    if isinstance(meta_value, torch.Tensor):
+        return views.get(0, result)
+    if isinstance(result, (tuple, list)):
+        out, index = [], 0
+        for item in result:
+            if isinstance(item, torch.Tensor):
+                out.append(views.get(index, item))
+                index += 1
+            else:
+                out.append(item)
+        return type(result)(out)
+    return result
+
+
+def _root(node: torch.fx.Node) -> torch.fx.Node:
+    while node.target is operator.getitem:
+        node = node.args[0]
+    return node
+
+
+def _arg_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
+    return [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.fx.Node)]
+
+
+def _resolve(value: Any, env: dict[str, Any]) -> Any:
+    def lookup(node: torch.fx.Node) -> Any:
+        if node.target is operator.getitem and node.name not in env:
+            return lookup(node.args[0])[node.args[1]]
+        return env[node.name]
+
+    return pytree.tree_map_only(torch.fx.Node, lookup, value)
