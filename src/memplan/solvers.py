@@ -6,9 +6,11 @@ so status and gap are reported the same way everywhere.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ortools.sat.python import cp_model
 
@@ -34,12 +36,33 @@ _STATUS = {
 
 
 class _Progress(cp_model.CpSolverSolutionCallback):
-    def __init__(self, report: Callable[[float, float], None]) -> None:
+    """Reports each improving solution and remembers when the last one came."""
+
+    def __init__(self, report: Callable[[float, float], None] | None) -> None:
         super().__init__()
         self._report = report
+        self.last_improvement = time.perf_counter()
 
     def on_solution_callback(self) -> None:
-        self._report(self.ObjectiveValue(), self.BestObjectiveBound())
+        self.last_improvement = time.perf_counter()
+        if self._report is not None:
+            self._report(self.ObjectiveValue(), self.BestObjectiveBound())
+
+
+def _stall_watchdog(solver: cp_model.CpSolver, progress: _Progress, stall_seconds: float) -> threading.Event:
+    """Stops the search once no better solution has come for ``stall_seconds``: a stalled
+    search returns its best solution (status feasible, with its gap) instead of burning the
+    whole time limit."""
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(min(0.1, stall_seconds / 4)):
+            if time.perf_counter() - progress.last_improvement > stall_seconds:
+                solver.StopSearch()
+                return
+
+    threading.Thread(target=watch, daemon=True).start()
+    return done
 
 
 def solve_cp_sat(
@@ -49,15 +72,27 @@ def solve_cp_sat(
     workers: int = 2,
     progress: Callable[[float, float], None] | None = None,
     seed: int = 0,
+    stall_seconds: float | None = None,
+    parameters: dict[str, Any] | None = None,
 ) -> tuple[cp_model.CpSolver, SolveStatus]:
     """Solve ``model`` within ``time_limit_seconds``; return the solver (to read values) and
-    the status. ``progress(objective, bound)`` is called on each improving solution."""
+    the status. ``progress(objective, bound)`` is called on each improving solution; with
+    ``stall_seconds`` the search stops once no better solution came for that long;
+    ``parameters`` sets further CP-SAT parameters by name (e.g. ``hint_conflict_limit``)."""
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.01, float(time_limit_seconds))
     solver.parameters.num_workers = workers
     solver.parameters.random_seed = seed
+    for name, value in (parameters or {}).items():
+        setattr(solver.parameters, name, value)
+    callback = _Progress(progress)
+    watchdog = _stall_watchdog(solver, callback, stall_seconds) if stall_seconds else None
     start = time.perf_counter()
-    code = solver.Solve(model, _Progress(progress) if progress else None)
+    try:
+        code = solver.Solve(model, callback)
+    finally:
+        if watchdog is not None:
+            watchdog.set()
     seconds = time.perf_counter() - start
     status = _STATUS.get(code, "unknown")
     objective = bound = gap = None

@@ -97,3 +97,44 @@ def measure_infer_step(model: torch.nn.Module, inputs: Any) -> int:
         out = call_model(model, inputs)
         del out
     return tracker.peak_bytes
+
+
+def allocator_peak_bytes(fn: Any, *args: Any) -> tuple[Any, int]:
+    """Run ``fn(*args)`` and return its result and the largest number of bytes the CPU
+    allocator held at once during the call, above what it held before.
+
+    Unlike :class:`LiveBytesTracker` this sees every allocation, including temporaries that
+    kernels make internally; it reads the profiler's memory events ("Total Allocated").
+    """
+    import json
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
+        result = fn(*args)
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+    finally:
+        os.unlink(path)
+    totals = [
+        int(e["args"]["Total Allocated"])
+        for e in events
+        if e.get("name") == "[memory]" and "Total Allocated" in e.get("args", {})
+    ]
+    return result, max(totals, default=0)
+
+
+def resident_bytes(*tensors: Any) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (parameters, state, batch, arena)."""
+    seen: dict[int, int] = {}
+    for leaf in pytree.tree_leaves(tensors):
+        if isinstance(leaf, torch.Tensor):
+            storage = leaf.untyped_storage()
+            seen[storage._cdata] = storage.nbytes()
+    return sum(seen.values())

@@ -18,12 +18,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.fx
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import torch
 from memplan.errors import MemplanError, UnsupportedOp
-from memplan.graph.ir import Category, Graph, TensorId
+from memplan.graph.ir import Graph, TensorId
 from memplan.torch.capture import Capture, _storage_key
 
 ARENA_ALIGNMENT_BYTES = 64
@@ -48,6 +49,7 @@ class RunStats:
     out_bytes: int = 0
     copied_bytes: int = 0
     allocator_bytes: int = 0
+    max_transient_bytes: int = 0  # the largest output of one op that existed twice (before its copy)
     copied_ops: dict[str, int] = field(default_factory=dict)
 
 
@@ -74,6 +76,7 @@ class _Update:
     position: int
     param_name: str
     grad_node: torch.fx.Node
+    traced: tuple[_Call, ...] = ()  # the update's ops as traced, in program order
 
 
 def plannable_tensors(graph: Graph) -> list[TensorId]:
@@ -132,8 +135,9 @@ class StepRunner:
                 continue
             if phase == "optimizer":
                 if op_id in groups:
-                    param_name, grad_node_name = groups[op_id]
-                    instructions.append(_Update(position, param_name, self.nodes[grad_node_name]))
+                    param_name, grad_node_name, members = groups[op_id]
+                    traced = tuple(self._call(-1, m) for m in members)
+                    instructions.append(_Update(position, param_name, self.nodes[grad_node_name], traced))
                 continue
             instructions.append(self._call(position, op_id))
         return instructions
@@ -234,9 +238,13 @@ class StepRunner:
 
     def _execute(self, ins: _Call, env: dict[str, Any]) -> Any:
         args, kwargs = _resolve((ins.node.args, ins.node.kwargs), env)
+        return self._place_call(ins, ins.node.target, args, kwargs)
+
+    def _place_call(self, ins: _Call, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        """Run ``func`` so that its fresh outputs land at their planned arena views."""
         if ins.strategy == "plain":
             self._count_allocator(ins)
-            return ins.node.target(*args, **kwargs)
+            return func(*args, **kwargs)
         views = {o.index: self._view(o) for o in ins.fresh if o.offset is not None}
         if ins.strategy == "empty":
             self.stats.out_bytes += _nbytes(ins.fresh[0])
@@ -246,8 +254,10 @@ class StepRunner:
             result = ins.out_op(*args, **kwargs, **outs)
             self.stats.out_bytes += sum(_nbytes(o) for o in ins.fresh)
             return _with_views(ins.node.meta.get("val"), result, views)
-        result = ins.node.target(*args, **kwargs)
+        result = func(*args, **kwargs)
         leaves = _tensor_leaves(result)
+        transient = sum(_nbytes(o) for o in ins.fresh if o.offset is not None)
+        self.stats.max_transient_bytes = max(self.stats.max_transient_bytes, transient)
         for o in ins.fresh:
             if o.offset is not None:
                 views[o.index].copy_(leaves[o.index])
@@ -276,7 +286,8 @@ class StepRunner:
         param.grad = grad
         try:
             self.optimizer.param_groups = [{**group, "params": [param]}]
-            self.optimizer.step()
+            with _ReplayIntoArena(self, ins.traced):
+                self.optimizer.step()
         finally:
             self.optimizer.param_groups = saved
             param.grad = None
@@ -289,11 +300,42 @@ class StepRunner:
         return pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), result)
 
 
+class _ReplayIntoArena(TorchDispatchMode):
+    """While the user's optimizer updates one parameter, serve each op's fresh outputs at the
+    arena views planned for the traced op in the same position of the sequence (Sekiyama et
+    al. 4.2: replay the profiled allocation sequence with planned addresses). The scalars the
+    optimizer computes in Python (step sizes) are its own, so numerics are eager's. If the
+    sequence ever differs from the trace, the rest of the update uses the allocator."""
+
+    def __init__(self, runner: StepRunner, traced: Sequence[_Call]) -> None:
+        super().__init__()
+        self.runner = runner
+        self.traced = list(traced)
+        self.next = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if getattr(func, "namespace", "") == "profiler":  # dropped from the trace too
+            return func(*args, **kwargs)
+        if self.next < len(self.traced) and self.traced[self.next].node.target is func:
+            ins = self.traced[self.next]
+            self.next += 1
+            return self.runner._place_call(ins, func, args, kwargs)
+        self.next = len(self.traced)  # diverged: stop replaying
+        result = func(*args, **kwargs)
+        inputs = {t.untyped_storage()._cdata for t in _tensor_leaves((args, kwargs))}
+        self.runner.stats.allocator_bytes += sum(
+            t.untyped_storage().nbytes() for t in _tensor_leaves(result) if t.untyped_storage()._cdata not in inputs
+        )
+        return result
+
+
 # ---------------------------------------------------------------------- helpers
 
 
-def _optimizer_groups(capture: Capture, order: Sequence[int]) -> dict[int, tuple[str, str]]:
-    """``op id -> (param name, grad node)`` for the op at which each parameter's update runs.
+def _optimizer_groups(capture: Capture, order: Sequence[int]) -> dict[int, tuple[str, str, tuple[int, ...]]]:
+    """``op id -> (param name, grad node, member ops)`` for the op at which each parameter's
+    update runs.
 
     Every optimizer op belongs to the parameter whose parameter, state or gradient storage it
     reads (or whose temporaries it reads); a parameter's whole update runs at the latest
@@ -313,14 +355,14 @@ def _optimizer_groups(capture: Capture, order: Sequence[int]) -> dict[int, tuple
         for t in op.outputs:
             owner[t] = params[0]
     position = {op: i for i, op in enumerate(order)}
-    groups: dict[int, tuple[str, str]] = {}
+    groups: dict[int, tuple[str, str, tuple[int, ...]]] = {}
     for name, ops in members.items():
         grad_node = _find_grad_node(
             [nodes[capture.node_of_op[o]] for o in ops], capture.grad_storage_by_param.get(name)
         )
         if grad_node is None:
             raise UnsupportedOp(f"could not find the gradient the optimizer reads for parameter {name!r}")
-        groups[max(ops, key=position.__getitem__)] = (name, grad_node)
+        groups[max(ops, key=position.__getitem__)] = (name, grad_node, tuple(ops))
     return groups
 
 

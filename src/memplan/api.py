@@ -1,0 +1,125 @@
+"""The Python API in three lines::
+
+    step = memplan.compile_step(model, optimizer, loss_fn, example_batch)
+    for batch in loader:
+        loss = step(batch)
+
+``compile_step`` captures the step on fake copies of the model and optimizer, plans it
+(order, then one arena with a static offset for every tensor) and returns a callable that runs
+the plan on the real model and optimizer. A batch of another shape gets its own plan (cached
+per shape); numerics equal eager PyTorch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch.utils import _pytree as pytree
+
+import torch
+from memplan.pipeline import MemoryPlan, make_plan
+from memplan.torch.capture import Capture, capture_infer_step, capture_train_step
+from memplan.torch.runtime import Plan, StepRunner
+
+
+def optimize(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    example_batch: Any,
+    *,
+    time_limit_seconds: float = 10.0,
+    reorder: bool = True,
+) -> tuple[Capture, MemoryPlan]:
+    """Capture and plan one step; returns the capture and the plan (with its report).
+
+    With an optimizer and a loss function the step is a training step on
+    ``example_batch = (inputs, target)``; without, an inference step on ``example_batch``.
+    """
+    if optimizer is None:
+        capture = capture_infer_step(model, example_batch)
+    else:
+        if loss_fn is None:
+            raise TypeError("a training step needs loss_fn(output, target)")
+        capture = capture_train_step(model, optimizer, loss_fn, example_batch)
+    plan = make_plan(capture.graph, time_limit_seconds=time_limit_seconds, reorder=reorder)
+    return capture, plan
+
+
+class CompiledStep:
+    """A planned training (or inference) step; call it with a batch."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+        *,
+        time_limit_seconds: float = 10.0,
+        reorder: bool = True,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.time_limit_seconds = time_limit_seconds
+        self.reorder = reorder
+        self.runners: dict[tuple, StepRunner] = {}
+        self.plans: dict[tuple, MemoryPlan] = {}
+
+    def __call__(self, batch: Any) -> Any:
+        return self.runner_for(batch)(batch)
+
+    def runner_for(self, batch: Any) -> StepRunner:
+        """The runner for this batch's shapes, planned on first use."""
+        key = shape_key(batch)
+        if key not in self.runners:
+            capture, plan = optimize(
+                self.model,
+                self.optimizer,
+                self.loss_fn,
+                batch,
+                time_limit_seconds=self.time_limit_seconds,
+                reorder=self.reorder,
+            )
+            self.plans[key] = plan
+            self.runners[key] = StepRunner(
+                capture, Plan(tuple(plan.order), plan.offsets, plan.arena_bytes), self.model, self.optimizer
+            )
+        return self.runners[key]
+
+    @property
+    def report(self) -> dict[str, Any]:
+        """The report of the most recent plan."""
+        if not self.plans:
+            return {}
+        return list(self.plans.values())[-1].report
+
+
+def shape_key(batch: Any) -> tuple:
+    leaves, spec = pytree.tree_flatten(batch)
+    shapes = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x) for x in leaves)
+    return (str(spec), shapes)
+
+
+def compile_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    example_batch: Any,
+    *,
+    time_limit_seconds: float = 10.0,
+    reorder: bool = True,
+) -> CompiledStep:
+    """Plan ``loss = loss_fn(model(inputs), target); loss.backward(); optimizer.step();
+    optimizer.zero_grad(set_to_none=True)`` and return it as a callable ``step(batch)``."""
+    step = CompiledStep(model, optimizer, loss_fn, time_limit_seconds=time_limit_seconds, reorder=reorder)
+    step.runner_for(example_batch)
+    return step
+
+
+def compile_inference(model: torch.nn.Module, example_inputs: Any, *, time_limit_seconds: float = 10.0) -> CompiledStep:
+    """Plan ``with torch.no_grad(): model(inputs)`` and return it as a callable."""
+    step = CompiledStep(model, None, None, time_limit_seconds=time_limit_seconds)
+    step.runner_for(example_inputs)
+    return step

@@ -1,0 +1,52 @@
+"""``memplan run``: train with the plan and with eager PyTorch, compare numbers, memory, time."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from memplan.commands.options import BatchSize, JsonOut, Mode, ModeOption, OptimizerName, OptimizerOption, write_json
+from memplan.report.format import format_bytes
+
+
+def print_run(report: dict[str, Any], console: Console) -> None:
+    m, e = report["memplan"], report["eager"]
+    table = Table(title=f"{report['model']}  batch {report['batch_size']}  {report['mode']}  {report['steps']} steps")
+    table.add_column("")
+    table.add_column("memplan", justify="right")
+    table.add_column("eager PyTorch", justify="right")
+    table.add_row("measured peak", format_bytes(m["peak_bytes"]), format_bytes(e["peak_bytes"]))
+    table.add_row("step seconds (median)", f"{m['step_seconds']:.3f}", f"{e['step_seconds']:.3f}")
+    table.add_row("arena", format_bytes(m["arena_bytes"]), "")
+    table.add_row("persistent (params, state, batch)", format_bytes(m["persistent_bytes"]), "")
+    table.add_row("left to the allocator", format_bytes(m["fallback_bytes"]), "")
+    table.add_row("computed then copied into the arena", format_bytes(m["copied_bytes"]), "")
+    console.print(table)
+    verdict = "identical" if report["max_abs_diff"] == 0.0 else f"DIFFER by up to {report['max_abs_diff']:.3g}"
+    console.print(f"loss and parameters after every step: {verdict} (max abs diff {report['max_abs_diff']})")
+
+
+def run(
+    model: Annotated[str, typer.Argument(help="A zoo model name (see `memplan models`).")],
+    batch_size: BatchSize = 8,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Steps to train with each.")] = 3,
+    mode: ModeOption = Mode.train,
+    optimizer: OptimizerOption = OptimizerName.sgd,
+    time_limit: Annotated[float, typer.Option("--time-limit", min=0.1, help="Solver seconds per stage.")] = 10.0,
+    json_path: JsonOut = None,
+) -> None:
+    """Train K steps with memplan and with eager PyTorch from the same state and seed."""
+    from memplan.torch.compare import compare_with_eager
+
+    report = compare_with_eager(model, batch_size, steps, mode.value, optimizer.value, time_limit_seconds=time_limit)
+    print_run(report, Console())
+    write_json(json_path, report)
+    if report["max_abs_diff"] != 0.0:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(run)

@@ -1,0 +1,128 @@
+"""Train K steps with memplan and K steps with eager PyTorch from the same initial state and
+seed; compare loss and parameters after every step, and measured memory and time."""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from memplan.api import CompiledStep
+from memplan.torch.capture import call_model
+from memplan.torch.measure import allocator_peak_bytes, optimizer_state_tensors, resident_bytes
+from memplan.torch.zoo import Workload, build_workload, make_optimizer
+
+
+@dataclass
+class Side:
+    """One way of running the step, with its measurements."""
+
+    peak_bytes: int = 0
+    step_seconds: list[float] | None = None
+
+    def median_seconds(self) -> float:
+        times = sorted(self.step_seconds or [0.0])
+        return times[len(times) // 2]
+
+
+def _eager_step(w: Workload, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
+    if optimizer is None:
+        with torch.no_grad():
+            return call_model(model, w.inputs)
+    loss = w.loss_fn(call_model(model, w.inputs), w.target)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def _max_abs_diff(a: Any, b: Any) -> float:
+    if isinstance(a, torch.Tensor):
+        if a.dtype.is_floating_point:
+            return float((a.detach() - b.detach()).abs().max()) if a.numel() else 0.0
+        return 0.0 if torch.equal(a, b) else float("inf")
+    return max((_max_abs_diff(x, y) for x, y in zip(a, b, strict=True)), default=0.0)
+
+
+def _state(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [*model.parameters(), *model.buffers()]
+
+
+def compare_with_eager(
+    model_name: str,
+    batch_size: int,
+    steps: int = 3,
+    mode: str = "train",
+    optimizer_name: str = "sgd",
+    *,
+    time_limit_seconds: float = 10.0,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """The report of ``memplan run``: numerics, measured peak bytes and step seconds of both."""
+    w = build_workload(model_name, batch_size, seed=seed)
+    eager_model = w.model
+    memplan_model = copy.deepcopy(w.model)
+    train = mode == "train"
+    for m in (eager_model, memplan_model):
+        m.train(train)
+    eager_opt = make_optimizer(optimizer_name, eager_model.parameters()) if train else None
+    memplan_opt = make_optimizer(optimizer_name, memplan_model.parameters()) if train else None
+    batch = (w.inputs, w.target) if train else w.inputs
+
+    start = time.perf_counter()
+    step = CompiledStep(memplan_model, memplan_opt, w.loss_fn if train else None, time_limit_seconds=time_limit_seconds)
+    runner = step.runner_for(batch)
+    plan_seconds = time.perf_counter() - start
+
+    eager, memplan = Side(step_seconds=[]), Side(step_seconds=[])
+    max_diff = 0.0
+    for k in range(steps + 1):
+        # the last step runs under the profiler, in steady state, to measure memory
+        measure = k == steps
+        torch.manual_seed(seed + 1000 + k)
+        out_eager, peak_eager, t_eager = _run(lambda: _eager_step(w, eager_model, eager_opt), measure)
+        torch.manual_seed(seed + 1000 + k)
+        out_memplan, peak_memplan, t_memplan = _run(lambda: step(batch), measure)
+        if measure:
+            eager.peak_bytes, memplan.peak_bytes = peak_eager, peak_memplan
+        else:
+            eager.step_seconds.append(t_eager)
+            memplan.step_seconds.append(t_memplan)
+        max_diff = max(max_diff, _max_abs_diff(out_eager, out_memplan))
+        max_diff = max(max_diff, _max_abs_diff(_state(eager_model), _state(memplan_model)))
+
+    resident_eager = resident_bytes(_state(eager_model), optimizer_state_tensors(eager_opt) if train else [], batch)
+    resident_memplan = resident_bytes(
+        _state(memplan_model), optimizer_state_tensors(memplan_opt) if train else [], batch, runner.arena
+    )
+    plan = step.plans[next(iter(step.plans))]
+    return {
+        "model": model_name,
+        "batch_size": batch_size,
+        "mode": mode,
+        "optimizer": optimizer_name if train else None,
+        "steps": steps,
+        "max_abs_diff": max_diff,
+        "plan_seconds": round(plan_seconds, 3),
+        "plan": plan.report,
+        "memplan": {
+            "peak_bytes": resident_memplan + memplan.peak_bytes,
+            "arena_bytes": plan.arena_bytes,
+            "persistent_bytes": plan.report["persistent_bytes"],
+            "fallback_bytes": runner.stats.allocator_bytes,
+            "copied_bytes": runner.stats.copied_bytes,
+            "max_transient_bytes": runner.stats.max_transient_bytes,
+            "out_bytes": runner.stats.out_bytes,
+            "step_seconds": memplan.median_seconds(),
+        },
+        "eager": {"peak_bytes": resident_eager + eager.peak_bytes, "step_seconds": eager.median_seconds()},
+    }
+
+
+def _run(fn: Any, measure_memory: bool) -> tuple[Any, int, float]:
+    """Run one step; with ``measure_memory``, under the profiler (then its time is not used)."""
+    start = time.perf_counter()
+    result, peak = allocator_peak_bytes(fn) if measure_memory else (fn(), 0)
+    return result, peak, time.perf_counter() - start
