@@ -100,6 +100,15 @@ def test_random_ops_are_chained_in_program_order():
         assert reach.is_ancestor(a, b)
 
 
+def test_fake_zoo_capture_equals_real_model_capture():
+    fake_graph = capture_model("gpt2-2l", 1, "train", "adam").graph
+    w = build_workload("gpt2-2l", 1)
+    opt = make_optimizer("adam", w.model.parameters())
+    real_graph = capture_train_step(w.model, opt, w.loss_fn, (w.inputs, w.target)).graph
+    assert fake_graph.persistent_bytes == real_graph.persistent_bytes
+    assert peak_bytes(fake_graph, fake_graph.program_order()) == peak_bytes(real_graph, real_graph.program_order())
+
+
 def test_tied_weights_count_once():
     w = build_workload("gpt2-2l", 1)
     lm = w.model.model

@@ -12,6 +12,27 @@ from memplan.commands.options import BatchSize, JsonOut, Mode, ModeOption, Optim
 from memplan.report.format import format_bytes
 
 
+def print_plan(plan: dict[str, Any], console: Console) -> None:
+    table = Table(title="the plan")
+    table.add_column("")
+    table.add_column("bytes", justify="right")
+    table.add_column("how", justify="left")
+    s, p = plan["schedule"], plan["placement"]
+    table.add_row("peak in program order (eager)", format_bytes(plan["program_order_peak_bytes"]), "")
+    table.add_row(
+        "peak in the optimised order",
+        format_bytes(plan["optimized_order_peak_bytes"]),
+        f"{s['method']}, {s['status']}, {s['seconds']:.2f} s",
+    )
+    table.add_row("lower bound over all orders", format_bytes(plan["lower_bound_bytes"]), "")
+    table.add_row(
+        "arena (one block, static offsets)",
+        format_bytes(plan["arena_bytes"]),
+        f"{p['method']}, {p['status']}, fragmentation {100 * plan['fragmentation']:.2f}%",
+    )
+    console.print(table)
+
+
 def print_run(report: dict[str, Any], console: Console) -> None:
     m, e = report["memplan"], report["eager"]
     table = Table(title=f"{report['model']}  batch {report['batch_size']}  {report['mode']}  {report['steps']} steps")

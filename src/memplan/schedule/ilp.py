@@ -53,6 +53,7 @@ from memplan.schedule.problem import ScheduleProblem, ScheduleResult, relative_g
 from memplan.solvers import SolveStatus, solve_cp_sat
 
 Term = int | cp_model.IntVar  # a 0/1 constant or a Boolean variable
+STALL_FRACTION = 0.2  # stop a segment's search once this share of its time brought nothing better
 
 
 # ----------------------------------------------------------------------------- spans
@@ -462,6 +463,7 @@ class ReorderSolver:
             limit_seconds,
             workers=self.problem.workers,
             progress=progress if self.problem.progress else None,
+            stall_seconds=max(1.0, STALL_FRACTION * limit_seconds),
         )
         self.report(f"{label}: {status.status} in {status.seconds:.2f} s")
         keep = order[seg.first : seg.last + 1]

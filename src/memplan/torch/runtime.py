@@ -313,7 +313,7 @@ class _ReplayIntoArena(TorchDispatchMode):
         self.traced = list(traced)
         self.next = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if getattr(func, "namespace", "") == "profiler":  # dropped from the trace too
             return func(*args, **kwargs)

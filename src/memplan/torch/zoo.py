@@ -83,7 +83,9 @@ def _hf(factory: str, config: Callable[[], Any]) -> Callable[[], nn.Module]:
 
         cfg = config()
         with _skip_init_if_fake():
-            return Logits(getattr(transformers, factory)(cfg))
+            model = getattr(transformers, factory)(cfg)
+        model.tie_weights()  # skipping the init also skips tying (lm_head = embeddings)
+        return Logits(model)
 
     return build
 
