@@ -1,0 +1,58 @@
+"""Rematerialisation under a memory budget: Checkmate's MILP and Chen's and Griewank's baselines.
+
+``rematerialize(graph, budget_bytes, strategy)`` returns a :class:`RematSchedule` whose
+``steps`` the runtime executes: ``("run", op_id)`` runs an op (first run or recompute) and
+``("free", tensor_id)`` releases the current instance of a tensor; reads use the latest
+instance. Its ``peak_bytes`` is measured by :func:`sequence_peak_bytes`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from memplan.errors import MemplanError
+from memplan.graph.ir import Graph
+from memplan.remat.baselines import BASELINES, require_feasible
+from memplan.remat.lower import InvalidPlan, lower, sequence_peak_bytes, steps_for_order, validate_sequence
+from memplan.remat.milp import solve_checkmate
+from memplan.remat.problem import RematProblem, RematSchedule, Step
+
+STRATEGIES: dict[str, Callable[[RematProblem], RematSchedule]] = {"checkmate": solve_checkmate, **BASELINES}
+
+
+def rematerialize(
+    graph: Graph,
+    budget_bytes: int,
+    strategy: str = "checkmate",
+    time_limit_seconds: float = 60.0,
+    *,
+    workers: int = 2,
+    max_solver_nodes: int = 200,
+    strict: bool = True,
+) -> RematSchedule:
+    """Plan ``graph`` within ``budget_bytes`` with ``strategy`` (a key of :data:`STRATEGIES`).
+
+    With ``strict`` a plan that does not fit raises :class:`memplan.errors.InfeasibleBudget`.
+    """
+    if strategy not in STRATEGIES:
+        raise MemplanError(f"unknown remat strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    problem = RematProblem(
+        graph, int(budget_bytes), time_limit_seconds=time_limit_seconds, workers=workers,
+        max_solver_nodes=max_solver_nodes,
+    )
+    schedule = STRATEGIES[strategy](problem)
+    return require_feasible(schedule) if strict else schedule
+
+
+__all__ = [
+    "STRATEGIES",
+    "InvalidPlan",
+    "RematProblem",
+    "RematSchedule",
+    "Step",
+    "lower",
+    "rematerialize",
+    "sequence_peak_bytes",
+    "steps_for_order",
+    "validate_sequence",
+]

@@ -1,0 +1,102 @@
+"""``memplan remat``: rematerialise a training step under a memory budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from memplan.commands.options import BatchSize, JsonOut, OptimizerName, OptimizerOption, Source, write_json
+from memplan.errors import MemplanError
+from memplan.report.format import format_bytes
+from memplan.sources import load_source
+
+Budget = Annotated[str, typer.Option("--budget", help="Bytes (e.g. 2e9), or a fraction of the checkpoint-all peak.")]
+StrategyOption = Annotated[str, typer.Option("--strategy", help="checkmate, a baseline name, or all.")]
+TimeLimit = Annotated[float, typer.Option("--time-limit", min=0.1, help="CP-SAT time limit per solve, seconds.")]
+SweepOut = Annotated[Path | None, typer.Option("--sweep", help="Also sweep budgets and plot overhead to this PNG.")]
+MaxBatch = Annotated[bool, typer.Option("--max-batch", help="Also find the largest batch within the budget.")]
+
+
+def parse_budget(text: str, top_bytes: int) -> int:
+    """``0.6`` means 60% of the checkpoint-all peak; anything above 1 is bytes."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise MemplanError(f"--budget {text!r} is neither bytes nor a fraction") from None
+    if value <= 0:
+        raise MemplanError(f"--budget must be positive, not {text}")
+    return int(value * top_bytes) if value <= 1 else int(value)
+
+
+def remat(
+    source: Source,
+    budget: Budget,
+    batch_size: BatchSize = 1,
+    optimizer: OptimizerOption = OptimizerName.sgd,
+    strategy: StrategyOption = "checkmate",
+    time_limit: TimeLimit = 60.0,
+    json_path: JsonOut = None,
+    sweep_png: SweepOut = None,
+    max_batch_flag: MaxBatch = False,
+) -> None:
+    """Recompute activations to fit a budget (Checkmate MILP, Chen, Griewank baselines)."""
+    from memplan.remat import STRATEGIES
+    from memplan.remat.baselines import checkpoint_all
+    from memplan.remat.problem import RematProblem
+    from memplan.remat.sweep import plot_sweep, solve_all, sweep
+
+    names = list(STRATEGIES) if strategy == "all" else [strategy]
+    if any(n not in STRATEGIES for n in names):
+        raise MemplanError(f"unknown strategy {strategy!r}; choose all or one of {', '.join(STRATEGIES)}")
+    graph = load_source(source, batch_size=batch_size, mode="train", optimizer=optimizer.value)
+    top = checkpoint_all(RematProblem(graph, 10**18)).peak_bytes
+    budget_bytes = parse_budget(budget, top)
+    problem = RematProblem(graph, budget_bytes, time_limit_seconds=time_limit)
+    plans = solve_all(problem, names)
+    report: dict[str, Any] = {
+        "budget_bytes": budget_bytes,
+        "checkpoint_all_peak_bytes": top,
+        "strategies": {n: p.summary() for n, p in plans.items()},
+    }
+    print_plans(report, Console())
+    if sweep_png is not None:
+        report["sweep"] = sweep(graph, names, time_limit_seconds=time_limit)
+        plot_sweep(report["sweep"], sweep_png, title=str(graph.meta.get("model", graph.name)))
+        Console().print(f"wrote {sweep_png}")
+    if max_batch_flag:
+        report["max_batch"] = _max_batch(source, optimizer.value, budget_bytes, time_limit)
+        Console().print(f"largest batch within {format_bytes(budget_bytes)}: {report['max_batch']}")
+    write_json(json_path, report)
+
+
+def _max_batch(source: str, optimizer: str, budget_bytes: int, time_limit: float) -> int:
+    from memplan.remat.sweep import max_batch
+
+    batch, _ = max_batch(
+        lambda b: load_source(source, batch_size=b, mode="train", optimizer=optimizer),
+        budget_bytes,
+        time_limit_seconds=time_limit,
+    )
+    return batch
+
+
+def print_plans(report: dict[str, Any], console: Console) -> None:
+    table = Table(title=f"remat within {format_bytes(report['budget_bytes'])}")
+    for column in ("strategy", "feasible", "peak", "overhead", "seconds", "status"):
+        table.add_column(column)
+    for name, s in report["strategies"].items():
+        peak = format_bytes(s["peak_bytes"]) if s["peak_bytes"] else "-"
+        overhead = f"{100 * s['overhead']:.2f}%" if s["feasible"] else "-"
+        table.add_row(name, "yes" if s["feasible"] else "no", peak, overhead, f"{s['seconds']:.2f}", s["status"])
+    console.print(table)
+    for s in report["strategies"].values():
+        if not s["feasible"] and s["message"]:
+            console.print(s["message"])
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(remat)

@@ -1,0 +1,370 @@
+"""Checkmate's baselines (section 5.1, Table 1), all as ``solve(problem) -> RematSchedule``.
+
+Each baseline picks which forward values to keep; the recomputation matrix ``R`` then
+follows by one graph traversal per stage (Checkmate 5.1.1: "fills in entries when a needed
+value is not in memory"), see :func:`rows_for_policy`. They all decide over the same
+solver graph as the MILP (:mod:`memplan.remat.coarsen`) and are lowered and measured by
+the same code (:mod:`memplan.remat.lower`).
+
+* checkpoint all: no recomputation; its peak is the top of every budget sweep;
+* Chen sqrt(n) / Chen greedy (Chen et al. 4.3, Algorithm 3 with the search over ``B`` of
+  Appendix A): on linear forward graphs only;
+* Griewank revolve (binomial checkpointing, uniform step cost): linear forward graphs only;
+* AP sqrt(n) / AP greedy: Chen on the articulation points of the forward graph (5.1.1);
+* linearized sqrt(n) / linearized greedy: Chen on the forward nodes in topological order
+  (5.1.2); on a linear graph these equal Chen's.
+
+In Chen's scheme a segment between checkpoints is recomputed once in the backward pass and
+then kept until its gradients are done (Chen Algorithm 1): here a segment "opens" the first
+time a backward stage recomputes one of its nodes, and its values are kept from then on.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections.abc import Callable
+
+from memplan.errors import InfeasibleBudget
+from memplan.remat.coarsen import SolverGraph, coarsen
+from memplan.remat.lower import InvalidPlan, schedule_from_decisions
+from memplan.remat.problem import RematProblem, RematSchedule
+
+Carry = Callable[[int, int], bool]
+"""``carry(t, i)``: keep node ``i``'s value from stage ``t`` into stage ``t + 1``."""
+
+
+def rows_for_policy(
+    sg: SolverGraph,
+    carry: Carry,
+    required: Callable[[int], set[int]] | None = None,
+    on_stage: Callable[[int, list[int]], None] | None = None,
+) -> list[list[int]]:
+    """The least ``R`` for a keep policy: per stage, compute what is needed and not resident.
+
+    ``required(t)``: nodes that must be resident at the start of stage ``t + 1`` (computed in
+    stage ``t`` if missing). Values that can never be recomputed again are always kept.
+    """
+    pinned = {i for i in range(sg.size) if any(j >= sg.limit[i] for j in sg.users[i])}
+    available: set[int] = set()
+    result = []
+    for t in range(sg.size):
+        row = {t}
+        wanted = [t, *sorted(i for i in (required(t) if required else ()) if i < t and i not in available)]
+        row.update(wanted)
+        stack = list(wanted)
+        while stack:
+            j = stack.pop()
+            for p in sg.preds[j]:
+                if p in available or p in row:
+                    continue
+                if not sg.may_run(t, p):
+                    raise InvalidPlan(f"stage {t} needs node {p}, which was dropped and may not be recomputed")
+                row.add(p)
+                stack.append(p)
+        ordered = sorted(row)
+        result.append(ordered)
+        if on_stage:
+            on_stage(t, ordered)
+        nxt = t + 1
+        available = {i for i in available | row if i in pinned or not sg.may_run(nxt, i) or carry(t, i)}
+    return result
+
+
+def forward_nodes(sg: SolverGraph) -> list[int]:
+    """Forward nodes that hold activations (not the prologue of placeholders)."""
+    return [k for k in range(sg.num_forward) if not all(sg.graph.ops[v].kind == "placeholder" for v in sg.groups[k])]
+
+
+def chain_nodes(sg: SolverGraph) -> list[int]:
+    """Forward nodes worth dropping: re-runnable, with activation bytes to save."""
+    return [k for k in forward_nodes(sg) if sg.recomputable(k) and sg.out_bytes[k] > 0]
+
+
+def is_linear(sg: SolverGraph) -> bool:
+    """Linear in the rematerialisation sense: every droppable forward node (see
+    :func:`chain_nodes`) reads droppable values only from the one just before it. Run-once
+    values (BatchNorm outputs, dropout masks) are always resident and are set aside."""
+    chain = chain_nodes(sg)
+    position = {k: n for n, k in enumerate(chain)}
+    return all(position.get(p, n - 1) == n - 1 for n, k in enumerate(chain) for p in sg.preds[k])
+
+
+def articulation_points(sg: SolverGraph) -> list[int]:
+    """Cut vertices of the undirected forward graph (iterative Hopcroft-Tarjan DFS)."""
+    fwd = set(forward_nodes(sg))
+    adj: dict[int, set[int]] = {k: set() for k in fwd}
+    for k in fwd:
+        for p in sg.preds[k]:
+            if p in fwd:
+                adj[k].add(p)
+                adj[p].add(k)
+    disc: dict[int, int] = {}
+    low: dict[int, int] = {}
+    points: set[int] = set()
+    for root in sorted(fwd):
+        if root in disc:
+            continue
+        disc[root] = low[root] = len(disc)
+        children = 0
+        stack = [(root, -1, iter(sorted(adj[root])))]
+        while stack:
+            v, parent, it = stack[-1]
+            child = next(it, None)
+            if child is None:
+                stack.pop()
+                if parent >= 0:
+                    low[parent] = min(low[parent], low[v])
+                    if parent != root and low[v] >= disc[parent]:
+                        points.add(parent)
+                continue
+            if child not in disc:
+                disc[child] = low[child] = len(disc)
+                if v == root:
+                    children += 1
+                stack.append((child, v, iter(sorted(adj[child]))))
+            elif child != parent:
+                low[v] = min(low[v], disc[child])
+        if children > 1:
+            points.add(root)
+    return sorted(points)
+
+
+def _chen_rows(sg: SolverGraph, checkpoints: set[int]) -> list[list[int]]:
+    """R for Chen's scheme with ``checkpoints``: drop the rest after the forward pass and
+    recompute each segment once when the backward pass first needs it."""
+    fwd = [k for k in forward_nodes(sg) if sg.recomputable(k)]
+    marks = sorted(checkpoints)
+    segment = {k: bisect.bisect_left(marks, k) for k in fwd}
+    opened: set[int] = set()
+    dropped = set(fwd) - checkpoints
+
+    def carry(t: int, i: int) -> bool:
+        return i not in dropped or t + 1 < sg.num_forward or segment[i] in opened
+
+    def on_stage(t: int, row: list[int]) -> None:
+        if t >= sg.num_forward:
+            opened.update(segment[i] for i in row if i in dropped and i < t)
+
+    return rows_for_policy(sg, carry, on_stage=on_stage)
+
+
+def chen_sqrtn_checkpoints(candidates: list[int]) -> set[int]:
+    """Chen 4.3: split into about sqrt(n) segments; checkpoint each segment's last node."""
+    if not candidates:
+        return set()
+    stride = max(1, round(math.sqrt(len(candidates))))
+    return set(candidates[stride - 1 :: stride])
+
+
+def chen_greedy_checkpoints(sg: SolverGraph, candidates: set[int], budget: float) -> tuple[set[int], float, float]:
+    """Chen Algorithm 3: close a segment at a candidate once its bytes exceed ``budget`` (B).
+
+    Returns the checkpoints, x (bytes kept between segments) and y (largest segment)."""
+    temp = x = y = 0.0
+    chosen: set[int] = set()
+    for v in forward_nodes(sg):
+        if not sg.recomputable(v):
+            continue
+        temp += sg.out_bytes[v]
+        if v in candidates and temp > budget:
+            x += sg.out_bytes[v]
+            y = max(y, temp)
+            chosen.add(v)
+            temp = 0.0
+    return chosen, x, y
+
+
+def greedy_budget_grid(sg: SolverGraph, candidates: set[int]) -> list[float]:
+    """Appendix A: B = sqrt(xy) from a B = 0 run, a 6-point grid on [B/sqrt2, sqrt2 B];
+    plus a log grid over all segment sizes to trace the trade-off (Checkmate 5.1)."""
+    _, x, y = chen_greedy_checkpoints(sg, candidates, 0.0)
+    grid = [0.0]
+    center = math.sqrt(x * y)
+    if center > 0:
+        grid += [center * 2 ** (-0.5 + i / 5) for i in range(6)]
+    sizes = [sg.out_bytes[v] for v in forward_nodes(sg) if sg.out_bytes[v] > 0]
+    if sizes:
+        low, high = min(sizes), sum(sizes)
+        grid += [low * (high / low) ** (i / 23) for i in range(24)]
+    return grid
+
+
+def revolve_events(steps: int, slots: int) -> list[tuple[int, frozenset[int]]]:
+    """Binomial checkpointing (Griewank and Walther's revolve), uniform step cost.
+
+    Returns, in reverse order, each step ``j`` (1..steps) with the states stored when it is
+    reversed. ``F(l, c) = min_m m + F(l - m, c - 1) + F(m, c)``, ``F(l, 0) = l(l-1)/2``."""
+    best_split: dict[tuple[int, int], int] = {}
+    memo: dict[tuple[int, int], int] = {}
+
+    def cost(length: int, c: int) -> int:
+        if length <= 1:
+            return 0
+        if c == 0:
+            return length * (length - 1) // 2
+        if (length, c) not in memo:
+            value, split = min((m + cost(length - m, c - 1) + cost(m, c), m) for m in range(1, length))
+            memo[length, c] = value
+            best_split[length, c] = split
+        return memo[length, c]
+
+    events: list[tuple[int, frozenset[int]]] = []
+    stored: set[int] = set()
+
+    def rev(start: int, length: int, c: int) -> None:
+        if length <= 1 or c == 0:
+            events.extend((j, frozenset(stored)) for j in range(start + length, start, -1))
+            return
+        cost(length, c)
+        m = best_split[length, c]
+        stored.add(start + m)
+        rev(start + m, length - m, c - 1)
+        stored.discard(start + m)
+        rev(start, m, c)
+
+    for length in range(2, steps + 1):  # fill the memo bottom-up: no deep recursion
+        cost(length, slots)
+    rev(0, steps, slots)
+    return events
+
+
+def _revolve_rows(sg: SolverGraph, slots: int) -> list[list[int]]:
+    chain = chain_nodes(sg)
+    index = {k: n + 1 for n, k in enumerate(chain)}
+    stored_when = dict(revolve_events(len(chain), slots))
+    reversing = [max((index[p] for p in sg.preds[t] if p in index), default=0) for t in range(sg.size)]
+    upcoming: list[frozenset[int]] = [frozenset()] * (sg.size + 1)
+    for t in range(sg.size - 1, -1, -1):
+        j = reversing[t] if t >= sg.num_forward else 0
+        upcoming[t] = frozenset(chain[s - 1] for s in stored_when.get(j, ())) if j else upcoming[t + 1]
+    kept = set(chain)
+
+    def carry(t: int, i: int) -> bool:
+        return i not in kept or t + 1 < sg.num_forward or i in upcoming[t + 1]
+
+    def required(t: int) -> set[int]:
+        return set(upcoming[t + 1]) if t + 1 >= sg.num_forward else set()
+
+    return rows_for_policy(sg, carry, required)
+
+
+def _pick(problem: RematProblem, sg: SolverGraph, name: str, candidates: list[list[list[int]]]) -> RematSchedule:
+    """Lower every candidate R; the cheapest within budget wins, else the lowest peak."""
+    start = time.perf_counter()
+    plans = [schedule_from_decisions(problem, sg, r, name, "heuristic") for r in candidates]
+    fits = [p for p in plans if p.peak_bytes <= problem.budget_bytes]
+    best = min(fits, key=lambda p: (p.compute_cost, p.peak_bytes)) if fits else min(plans, key=lambda p: p.peak_bytes)
+    best.seconds = time.perf_counter() - start
+    if not fits:
+        best.status = "over-budget"
+        best.message = f"{name}: lowest peak {best.peak_bytes} B exceeds the budget {problem.budget_bytes} B"
+    return best
+
+
+def _not_applicable(problem: RematProblem, name: str, why: str) -> RematSchedule:
+    return RematSchedule(name, problem.budget_bytes, [], 0, 0.0, problem.plain_cost, "not-applicable", message=why)
+
+
+def solver_graph(problem: RematProblem) -> SolverGraph:
+    """The solver graph every strategy of one problem shares (cached by problem identity)."""
+    key = (id(problem.graph), problem.max_solver_nodes, hash(problem.cost))
+    hit = _SG_CACHE.get(key)
+    if hit is not None and hit.graph is problem.graph:
+        return hit
+    if len(_SG_CACHE) > 8:
+        _SG_CACHE.clear()
+    _SG_CACHE[key] = sg = coarsen(problem)
+    return sg
+
+
+_SG_CACHE: dict[tuple[int, int, int], SolverGraph] = {}
+
+
+def checkpoint_all(problem: RematProblem) -> RematSchedule:
+    """No rematerialisation (Checkmate's "checkpoint all"): every op once, program order."""
+    sg = solver_graph(problem)
+    return _pick(problem, sg, "checkpoint-all", [[[t] for t in range(sg.size)]])
+
+
+def _sqrtn(problem: RematProblem, name: str, candidates: list[int]) -> RematSchedule:
+    sg = solver_graph(problem)
+    return _pick(problem, sg, name, [_chen_rows(sg, chen_sqrtn_checkpoints(candidates))])
+
+
+def _greedy(problem: RematProblem, name: str, candidates: list[int]) -> RematSchedule:
+    sg = solver_graph(problem)
+    cand = set(candidates)
+    sets = {frozenset(chen_greedy_checkpoints(sg, cand, b)[0]) for b in greedy_budget_grid(sg, cand)}
+    return _pick(problem, sg, name, [_chen_rows(sg, set(c)) for c in sorted(sets, key=sorted)])
+
+
+def _linear_candidates(sg: SolverGraph) -> list[int]:
+    return chain_nodes(sg)
+
+
+def _ap_candidates(sg: SolverGraph) -> list[int]:
+    chain = set(chain_nodes(sg))
+    return [k for k in articulation_points(sg) if k in chain]
+
+
+_NOT_LINEAR = "{}: the forward graph is not linear (use ap- or linearized-)"
+
+
+def chen_sqrtn(problem: RematProblem) -> RematSchedule:
+    sg = solver_graph(problem)
+    if not is_linear(sg):
+        return _not_applicable(problem, "chen-sqrtn", _NOT_LINEAR.format("chen-sqrtn"))
+    return _sqrtn(problem, "chen-sqrtn", _linear_candidates(sg))
+
+
+def chen_greedy(problem: RematProblem) -> RematSchedule:
+    sg = solver_graph(problem)
+    if not is_linear(sg):
+        return _not_applicable(problem, "chen-greedy", _NOT_LINEAR.format("chen-greedy"))
+    return _greedy(problem, "chen-greedy", _linear_candidates(sg))
+
+
+def griewank(problem: RematProblem) -> RematSchedule:
+    """Revolve with 1..l slots (the slot count is searched like Chen's B)."""
+    sg = solver_graph(problem)
+    if not is_linear(sg):
+        return _not_applicable(problem, "griewank", "griewank: revolve needs a linear forward graph")
+    length = len(_linear_candidates(sg))
+    return _pick(problem, sg, "griewank", [_revolve_rows(sg, c) for c in range(1, max(2, length + 1))])
+
+
+def ap_sqrtn(problem: RematProblem) -> RematSchedule:
+    return _sqrtn(problem, "ap-sqrtn", _ap_candidates(solver_graph(problem)))
+
+
+def ap_greedy(problem: RematProblem) -> RematSchedule:
+    return _greedy(problem, "ap-greedy", _ap_candidates(solver_graph(problem)))
+
+
+def linearized_sqrtn(problem: RematProblem) -> RematSchedule:
+    return _sqrtn(problem, "linearized-sqrtn", _linear_candidates(solver_graph(problem)))
+
+
+def linearized_greedy(problem: RematProblem) -> RematSchedule:
+    return _greedy(problem, "linearized-greedy", _linear_candidates(solver_graph(problem)))
+
+
+BASELINES: dict[str, Callable[[RematProblem], RematSchedule]] = {
+    "checkpoint-all": checkpoint_all,
+    "chen-sqrtn": chen_sqrtn,
+    "chen-greedy": chen_greedy,
+    "griewank": griewank,
+    "ap-sqrtn": ap_sqrtn,
+    "ap-greedy": ap_greedy,
+    "linearized-sqrtn": linearized_sqrtn,
+    "linearized-greedy": linearized_greedy,
+}
+
+
+def require_feasible(schedule: RematSchedule) -> RematSchedule:
+    """Raise :class:`InfeasibleBudget` unless ``schedule`` fits its budget."""
+    if not schedule.feasible:
+        raise InfeasibleBudget(schedule.message or f"{schedule.strategy}: no plan within {schedule.budget_bytes} B")
+    return schedule

@@ -1,0 +1,292 @@
+"""From Checkmate's decision matrices to a step sequence, and the one estimator for sequences.
+
+A *step sequence* is what the runtime executes: ``("run", op_id)`` runs an op (its first run
+or a recompute) and allocates its outputs; ``("free", tensor_id)`` releases the current
+instance of a tensor. A read always uses the most recent instance of a tensor.
+
+:func:`lower` is Checkmate's Algorithm 1 (row-major scan of ``R``: stage ``t`` runs every
+node ``i`` with ``R[t, i] = 1`` in node order) followed by deallocation code motion (4.7):
+each tensor instance is freed right after its last read, before its producer runs again.
+``S`` is only checked, never needed: with code motion a value is kept exactly as long as a
+later step reads it, which is the least ``S`` consistent with ``R`` (4.6). Two further
+passes, both sound: runs whose outputs nobody reads are dropped (4.6's "spurious
+evaluation"), and a 0-byte view whose base has been recomputed is re-run before it is read
+(its old handle would point at freed storage).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from memplan.errors import MemplanError
+from memplan.graph.ir import Category, Graph
+from memplan.remat.coarsen import SolverGraph
+from memplan.remat.problem import RematProblem, RematSchedule, Step, rerun_limits, run_cost
+
+
+class InvalidPlan(MemplanError):
+    """A decision matrix or a step sequence breaks a rule of the plan (one-line message)."""
+
+
+Decisions = Sequence[Iterable[int]]
+"""``R`` as rows: ``R[t]`` lists the nodes run in stage ``t`` (a 0/1 row is also accepted)."""
+
+
+def rows(matrix: Sequence[Sequence[int]] | Decisions) -> list[list[int]]:
+    """Normalise a 0/1 lower-triangular matrix or a list of index lists to index lists."""
+    out = []
+    for row in matrix:
+        row = list(row)
+        if row and all(x in (0, 1, True, False) for x in row) and len(row) == len(matrix):
+            out.append([i for i, x in enumerate(row) if x])
+        else:
+            out.append(sorted(int(i) for i in row))
+    return out
+
+
+def lower(sg: SolverGraph, R: Decisions, S: Decisions | None = None) -> list[Step]:
+    """Checkmate Algorithm 1 + 4.7 on the real graph; raises :class:`InvalidPlan`."""
+    r_rows = rows(R)
+    _check_decisions(sg, r_rows, rows(S) if S is not None else None)
+    graph = sg.graph
+    runs = [v for row in r_rows for k in row for v in sg.groups[k]]
+    runs = _prune_unread_runs(graph, runs)
+    runs = _refresh_views(graph, runs)
+    return insert_frees(graph, runs)
+
+
+def _check_decisions(sg: SolverGraph, r_rows: list[list[int]], s_rows: list[list[int]] | None) -> None:
+    if len(r_rows) != sg.size:
+        raise InvalidPlan(f"R has {len(r_rows)} stages, the solver graph has {sg.size} nodes")
+    computed: set[int] = set()
+    for t, row in enumerate(r_rows):
+        if t not in row:
+            raise InvalidPlan(f"stage {t} does not run node {t} (Checkmate: R[t, t] = 1)")
+        for k in row:
+            if not sg.may_run(t, k):
+                raise InvalidPlan(f"stage {t} runs node {k}, which may not run then (run-once or window over)")
+        if s_rows is not None:
+            missing = [i for i in s_rows[t] if i not in computed]
+            if missing:
+                raise InvalidPlan(f"stage {t} checkpoints node {missing[0]}, which has not been computed")
+        computed.update(row)
+
+
+def _instances_read(graph: Graph, runs: list[int]) -> list[bool]:
+    """For each run: is some output instance it makes read later (or kept as a step output)?"""
+    used = [not graph.ops[v].outputs for v in runs]
+    current: dict[int, int] = {}
+    for pos, v in enumerate(runs):
+        for t in graph.ops[v].inputs:
+            if t not in current:
+                raise InvalidPlan(
+                    f"op {graph.ops[v].name!r} reads {graph.tensors[t].name!r}, which is not live (never computed)"
+                )
+            used[current[t]] = True
+        for t in graph.ops[v].outputs:
+            current[t] = pos
+    for t, tensor in enumerate(graph.tensors):
+        if (tensor.category is Category.OUTPUT or tensor.persistent) and t in current:
+            used[current[t]] = True
+    return used
+
+
+def _prune_unread_runs(graph: Graph, runs: list[int]) -> list[int]:
+    """Drop runs nobody reads (to a fixpoint); every op keeps at least its first run."""
+    limits = rerun_limits(graph)
+    while True:
+        used = _instances_read(graph, runs)
+        some_run_used = {v for v, u in zip(runs, used, strict=True) if u}
+        first_seen: set[int] = set()
+        keep = []
+        for pos, v in enumerate(runs):
+            first = v not in first_seen
+            first_seen.add(v)
+            removable = limits[v] > v and not used[pos]
+            keep.append(not removable or (first and v not in some_run_used))
+        if all(keep):
+            return runs
+        runs = [v for v, k in zip(runs, keep, strict=True) if k]
+
+
+def _is_view(graph: Graph, v: int) -> bool:
+    op = graph.ops[v]
+    return bool(op.outputs) and all(graph.tensors[t].size_bytes == 0 for t in op.outputs)
+
+
+def _refresh_views(graph: Graph, runs: list[int]) -> list[int]:
+    """Re-run a 0-byte view before a read if an input it was made from has been re-created."""
+    limits = rerun_limits(graph)
+    serial: dict[int, int] = {}
+    made_from: dict[int, tuple[int, ...]] = {}
+    ran: set[int] = set()
+    out: list[int] = []
+
+    def inputs_now(v: int) -> tuple[int, ...]:
+        return tuple(serial.get(t, -1) for t in graph.ops[v].inputs)
+
+    def emit(v: int) -> None:
+        out.append(v)
+        ran.add(v)
+        for t in graph.ops[v].outputs:
+            serial[t] = len(out)
+            if _is_view(graph, v):
+                made_from[t] = inputs_now(v)
+
+    def refresh(t: int) -> None:
+        p = graph.producer[t]
+        if t not in made_from or made_from[t] == inputs_now(p):
+            return
+        if limits[p] <= p or (limits[p] < len(graph.ops) and limits[p] in ran):
+            raise InvalidPlan(f"view {graph.ops[p].name!r} must be re-made but may not run again")
+        for u in graph.ops[p].inputs:
+            refresh(u)
+        emit(p)
+
+    for v in runs:
+        for t in graph.ops[v].inputs:
+            refresh(t)
+        emit(v)
+    return out
+
+
+def insert_frees(graph: Graph, runs: Sequence[int]) -> list[Step]:
+    """Deallocation code motion (Checkmate 4.7): free every instance after its last read.
+
+    An instance lives from the run that makes it to its last read before its producer runs
+    again; an unread one is freed right after it is made; outputs of the step and
+    persistent tensors are never freed.
+    """
+    last_read: list[int] = []
+    tensor_of: list[int] = []
+    current: dict[int, int] = {}
+    for pos, v in enumerate(runs):
+        for t in graph.ops[v].inputs:
+            if t in current:
+                last_read[current[t]] = pos
+        for t in graph.ops[v].outputs:
+            current[t] = len(tensor_of)
+            tensor_of.append(t)
+            last_read.append(pos)
+    kept = {current[t] for t, tensor in enumerate(graph.tensors) if tensor.category is Category.OUTPUT and t in current}
+    frees_at: dict[int, list[int]] = {}
+    for inst, t in enumerate(tensor_of):
+        if inst not in kept and not graph.tensors[t].persistent:
+            frees_at.setdefault(last_read[inst], []).append(t)
+    steps: list[Step] = []
+    for pos, v in enumerate(runs):
+        steps.append(("run", int(v)))
+        steps.extend(("free", int(t)) for t in sorted(frees_at.get(pos, ())))
+    return steps
+
+
+def steps_for_order(graph: Graph, order: Sequence[int]) -> list[Step]:
+    """The step sequence of a plain order (every op once), frees at last reads."""
+    return insert_frees(graph, order)
+
+
+def sequence_peak_bytes(graph: Graph, steps: Sequence[Step]) -> int:
+    """THE peak estimator for step sequences, with :mod:`memplan.graph.liveness`'s semantics.
+
+    At a run, the resident set is every live tensor plus the op's outputs (its inputs are
+    freed after it); persistent tensors are resident throughout. On a plain order lowered by
+    :func:`steps_for_order` it equals ``liveness.peak_bytes``.
+    """
+    resident = peak = graph.persistent_bytes
+    live: set[int] = set()
+    for kind, i in steps:
+        if kind == "run":
+            for t in graph.ops[i].outputs:
+                tensor = graph.tensors[t]
+                if not tensor.persistent and t not in live:
+                    live.add(t)
+                    resident += tensor.size_bytes
+            peak = max(peak, resident)
+        elif i in live:
+            live.discard(i)
+            resident -= graph.tensors[i].size_bytes
+    return peak
+
+
+def schedule_from_decisions(
+    problem: RematProblem, sg: SolverGraph, R: Decisions, strategy: str, status: str, **extra: object
+) -> RematSchedule:
+    """Lower ``R``, measure it with :func:`sequence_peak_bytes`, and wrap it as a schedule."""
+    r_rows = rows(R)
+    steps = lower(sg, r_rows)
+    extra.setdefault("details", {"rows": r_rows})
+    peak = sequence_peak_bytes(problem.graph, steps)
+    if peak > problem.budget_bytes and status not in ("not-applicable", "infeasible"):
+        status = "over-budget"
+    return RematSchedule(
+        strategy=strategy,
+        budget_bytes=problem.budget_bytes,
+        steps=steps,
+        peak_bytes=peak,
+        compute_cost=run_cost(problem.cost, steps),
+        plain_cost=problem.plain_cost,
+        status=status,
+        **extra,  # type: ignore[arg-type]
+    )
+
+
+def validate_sequence(graph: Graph, steps: Sequence[Step]) -> None:
+    """Check a step sequence from first principles; raise :class:`InvalidPlan` on the first fault.
+
+    Every operand is live when read; a run-once op (see :func:`rerun_limits`) runs exactly
+    once and every op at least once; a re-run reads the same versions of its inputs as the
+    first run (no mutation in between) and does not re-allocate a live tensor; a view is not
+    read after the storage it was made from was re-created; only live, non-persistent
+    tensors are freed; outputs of the step are live at the end.
+    """
+    limits = rerun_limits(graph)
+    live: set[int] = set()
+    version = [0] * len(graph.tensors)
+    serial = [0] * len(graph.tensors)
+    first_inputs: dict[int, tuple[int, ...]] = {}
+    view_made_from: dict[int, tuple[int, ...]] = {}
+    runs = [0] * len(graph.ops)
+    clock = 0
+    for kind, i in steps:
+        if kind == "free":
+            if i not in live or graph.tensors[i].persistent:
+                raise InvalidPlan(f"frees {graph.tensors[i].name!r}, which is not live or is persistent")
+            live.discard(i)
+            continue
+        if kind != "run":
+            raise InvalidPlan(f"unknown step kind {kind!r}")
+        op = graph.ops[i]
+        for t in op.inputs:
+            if t not in live:
+                raise InvalidPlan(f"op {op.name!r} reads {graph.tensors[t].name!r}, which is not live")
+            producer = graph.producer[t]
+            if t in view_made_from and view_made_from[t] != tuple(serial[u] for u in graph.ops[producer].inputs):
+                raise InvalidPlan(f"op {op.name!r} reads view {graph.tensors[t].name!r} of re-created storage")
+        versions = tuple(version[t] for t in op.inputs)
+        runs[i] += 1
+        if runs[i] > 1:
+            if limits[i] <= i:
+                raise InvalidPlan(f"op {op.name!r} may run only once")
+            if versions != first_inputs[i]:
+                raise InvalidPlan(f"op {op.name!r} is re-run after one of its inputs was mutated")
+            if any(t in live and graph.tensors[t].size_bytes for t in op.outputs):
+                raise InvalidPlan(f"op {op.name!r} is re-run while its output is still live")
+        first_inputs.setdefault(i, versions)
+        for t in op.mutates:
+            version[t] += 1
+        clock += 1
+        for t in op.outputs:
+            live.add(t)
+            serial[t] = clock
+            if _is_view(graph, i):
+                view_made_from[t] = tuple(serial[u] for u in op.inputs)
+    _check_end(graph, runs, live)
+
+
+def _check_end(graph: Graph, runs: list[int], live: set[int]) -> None:
+    for v, count in enumerate(runs):
+        if count == 0:
+            raise InvalidPlan(f"op {graph.ops[v].name!r} never runs")
+    for t, tensor in enumerate(graph.tensors):
+        if tensor.category is Category.OUTPUT and t not in live:
+            raise InvalidPlan(f"output {tensor.name!r} is not live at the end of the step")

@@ -1,0 +1,289 @@
+"""Checkmate's optimal rematerialisation MILP (section 4.5) in OR-Tools CP-SAT.
+
+Variables over the solver graph (:mod:`memplan.remat.coarsen`), stages ``t`` and nodes
+``i <= t``: ``R[t, i]`` (run ``i`` in stage ``t``), ``S[t, i]`` (``i`` resident at the start of
+stage ``t``), ``U[t, k]`` (memory while node ``k`` of stage ``t`` runs) and ``Free[t, i, k]``.
+
+* objective (4.3): ``min sum C_i R[t, i]``;
+* (4.3b) ``R[t, j] <= R[t, i] + S[t, i]`` for every edge ``(i, j)``;
+* (4.3c) ``S[t, i] <= R[t-1, i] + S[t-1, i]``; (4.3d) ``R[t, t] = 1`` (frontier-advancing);
+* (1) ``U[t, 0] = persistent + sum_i S[t, i] M_i + R[t, 0] M_0``;
+* (2) ``U[t, k] = U[t, k-1] - mem_freed_t(k-1) + R[t, k] M_k``, with
+  ``mem_freed_t(k) = sum_{i in DEPS[k] + {k}} M_i Free[t, i, k]`` (3);
+* (4)-(6) ``Free[t, i, k] => R[t, k] and not S[t+1, i] and not R[t, j]`` for the users ``j > k``
+  of ``i``. Only this direction is posted (CP-SAT's enforced bool-and replaces the big-M
+  casts 6a-6c): leaving ``Free`` at 0 can only overstate memory, and the solver sets it
+  to 1 wherever the budget needs it, so the optimum is the paper's;
+* ``U[t, k] + R[t, k] (peak_k - M_k) <= M_budget``: the group's own temporaries while it runs.
+
+Memory is integer-scaled (sizes rounded up, the budget down, in one common unit) and cost
+is scaled to integers. Variables that cannot be 1 are not created: a node is re-run only
+in its window and only up to the last stage that can still need it, and kept only that long.
+
+The answer is lowered on the real graph and re-measured by
+:func:`memplan.remat.lower.sequence_peak_bytes`; the budget check is done there. The solve
+is warm-started (hints) from the cheapest feasible baseline, and if the MILP's plan is not
+cheaper, that baseline's plan is returned (status "fallback").
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from memplan.remat.baselines import BASELINES, solver_graph
+from memplan.remat.coarsen import SolverGraph
+from memplan.remat.lower import schedule_from_decisions
+from memplan.remat.problem import RematProblem, RematSchedule
+from memplan.solvers import solve_cp_sat
+
+MEMORY_STEPS = 50_000_000
+COST_STEPS = 100_000
+
+
+Lit = cp_model.IntVar | int
+
+
+@dataclass
+class _Model:
+    model: cp_model.CpModel
+    R: dict[tuple[int, int], cp_model.IntVar]
+    S: dict[tuple[int, int, int], cp_model.IntVar]
+    U: dict[tuple[int, int], cp_model.IntVar]
+    free: dict[tuple[int, int, int], cp_model.IntVar]
+    unit_bytes: int
+    infeasible: bool = False
+
+    def r(self, t: int, i: int) -> Lit:
+        return 1 if i == t else self.R.get((t, i), 0)
+
+    def s(self, t: int, i: int, q: int) -> Lit:
+        return self.S.get((t, i, q), 0)
+
+
+def needed_until(sg: SolverGraph) -> tuple[list[int], list[list[int]]]:
+    """Last stage in which node ``i`` (and each of its parts) can be read: through its
+    readers, which may themselves be re-run until their window closes."""
+    last = list(range(sg.size))
+    last_part: list[list[int]] = [[] for _ in range(sg.size)]
+    for i in range(sg.size - 1, -1, -1):
+        for _, readers in sg.parts[i]:
+            until = max(j if not sg.recomputable(j) else min(sg.limit[j] - 1, max(j, last[j])) for j in readers)
+            last_part[i].append(until)
+            last[i] = max(last[i], until)
+    return last, last_part
+
+
+def part_of(sg: SolverGraph, i: int, j: int) -> int | None:
+    """Which part of node ``i`` node ``j`` reads (None: only persistent tensors)."""
+    for q, (_, readers) in enumerate(sg.parts[i]):
+        if j in readers:
+            return q
+    return None
+
+
+def build_model(sg: SolverGraph, budget_bytes: int, persistent_bytes: int) -> _Model:
+    """Checkmate (4.5) over ``sg`` (see module docstring)."""
+    unit = max(1, budget_bytes // MEMORY_STEPS)
+    mem = [[math.ceil(b / unit) for b, _ in parts] for parts in sg.parts]
+    work = [max(0, math.ceil(p / unit) - sum(m)) for p, m in zip(sg.peak_bytes, mem, strict=True)]
+    outputs = [math.ceil(b / unit) for b in sg.output_bytes]
+    budget = budget_bytes // unit
+    last, last_part = needed_until(sg)
+    mm = _Model(cp_model.CpModel(), {}, {}, {}, {}, unit)
+    for t in range(sg.size):
+        for i in range(t):
+            if sg.may_run(t, i) and t <= last[i]:
+                mm.R[t, i] = mm.model.new_bool_var(f"R{t}_{i}")
+            for q, until in enumerate(last_part[i]):
+                if t <= until:
+                    mm.S[t, i, q] = mm.model.new_bool_var(f"S{t}_{i}_{q}")
+    _dependency_rows(mm, sg)
+    constant = math.ceil(persistent_bytes / unit)
+    for t in range(sg.size):
+        _memory_rows(mm, sg, t, mem, work, budget, constant)
+        constant += outputs[t]
+    cost_unit = max(max(sg.cost, default=1.0), 1.0) / COST_STEPS
+    mm.model.minimize(sum(max(1, round(sg.cost[i] / cost_unit)) * var for (_, i), var in mm.R.items()))
+    return mm
+
+
+def _post(mm: _Model, lhs: Lit, rhs: list[Lit]) -> None:
+    """``lhs <= sum(rhs)`` over 0/1 literals, folding constants."""
+    if isinstance(lhs, int) and lhs == 0:
+        return
+    terms = [x for x in rhs if not isinstance(x, int)]
+    if any(isinstance(x, int) and x for x in rhs):
+        return
+    if not terms:
+        if isinstance(lhs, int):
+            mm.infeasible = True
+        else:
+            mm.model.add(lhs == 0)
+        return
+    mm.model.add(lhs <= sum(terms))
+
+
+def _dependency_rows(mm: _Model, sg: SolverGraph) -> None:
+    """(4.3b) and (4.3c)."""
+    for t in range(sg.size):
+        for j in range(t + 1):
+            if isinstance(mm.r(t, j), int) and not mm.r(t, j):
+                continue
+            for p in sg.preds[j]:
+                q = part_of(sg, p, j)
+                if q is not None:
+                    _post(mm, mm.r(t, j), [mm.r(t, p), mm.s(t, p, q)])
+        for i in range(t):
+            for q in range(len(sg.parts[i])):
+                if (t, i, q) in mm.S:
+                    _post(mm, mm.S[t, i, q], [mm.r(t - 1, i), mm.s(t - 1, i, q)])
+
+
+def _memory_rows(
+    mm: _Model, sg: SolverGraph, t: int, mem: list[list[int]], work: list[int], budget: int, constant: int
+) -> None:
+    """Constraints (1), (2), (3)-(6) and the budget for stage ``t``."""
+    model = mm.model
+    active = [k for k in range(t + 1) if not (isinstance(mm.r(t, k), int) and not mm.r(t, k))]
+    expr = constant + sum(b * mm.s(t, i, q) for i in range(t) for q, b in enumerate(mem[i]) if b)
+    for k in active:
+        u = model.new_int_var(0, budget, f"U{t}_{k}")
+        model.add(u == expr + sum(mem[k]) * mm.r(t, k))
+        mm.U[t, k] = u
+        if work[k]:
+            model.add(u + work[k] * mm.r(t, k) <= budget)
+        freed = []
+        for i in (*sg.preds[k], k):
+            for q, b in enumerate(mem[i]):
+                readers = sg.parts[i][q][1]
+                if b and (i == k or k in readers):
+                    free = _free_var(mm, t, i, q, k, readers)
+                    if free is not None:
+                        freed.append(b * free)
+        expr = u - sum(freed) if freed else u
+
+
+def _free_var(mm: _Model, t: int, i: int, q: int, k: int, readers: tuple[int, ...]) -> cp_model.IntVar | None:
+    """Free[t, i, k] (eq. 4) for part ``q`` of ``i``: k runs, the part is not kept, no later reader runs."""
+    lits = [mm.r(t, k), _negate(mm.s(t + 1, i, q))]
+    lits += [_negate(mm.r(t, j)) for j in readers if k < j <= t]
+    if any(isinstance(x, int) and not x for x in lits):
+        return None
+    free = mm.model.new_bool_var(f"F{t}_{i}_{q}_{k}")
+    terms = [x for x in lits if not isinstance(x, int)]
+    if terms:
+        mm.model.add_bool_and(terms).only_enforce_if(free)
+    mm.free[t, i, k * 1000 + q] = free
+    return free
+
+
+def _negate(x: Lit) -> Lit:
+    return 1 - x if isinstance(x, int) else x.Not()
+
+
+def implied_keep(sg: SolverGraph, rows_: list[list[int]]) -> set[tuple[int, int, int]]:
+    """The least S for R (4.6): part ``q`` of ``i`` is resident at the start of ``t`` iff a
+    stage from ``t`` on reads the value computed before ``t`` (no run of ``i`` in between)."""
+    keep: set[tuple[int, int, int]] = set()
+    row_sets = [set(r) for r in rows_]
+    for t in range(sg.size - 1, 0, -1):
+        for i in range(t):
+            if i in row_sets[t]:
+                continue
+            for q, (_, readers) in enumerate(sg.parts[i]):
+                if (t + 1, i, q) in keep or any(j in row_sets[t] for j in readers):
+                    keep.add((t, i, q))
+    return keep
+
+
+def complete_hints(mm: _Model, sg: SolverGraph, rows_: list[list[int]], seconds: float) -> bool:
+    """Hint every variable: fix R and S to the plan in a copy of the model, solve it (only U
+    and Free are left to find) and hint the whole answer. False if the plan does not fit."""
+    row_sets = [set(r) for r in rows_]
+    keep = implied_keep(sg, rows_)
+    if not all((t, i) in mm.R for t, r in enumerate(row_sets) for i in r if i != t):
+        return False
+    if not all(key in mm.S for key in keep):
+        return False
+    copy = mm.model.clone()
+    for (t, i), var in mm.R.items():
+        copy.add(copy.get_bool_var_from_proto_index(var.index) == int(i in row_sets[t]))
+    for key, var in mm.S.items():
+        copy.add(copy.get_bool_var_from_proto_index(var.index) == int(key in keep))
+    copy.clear_objective()
+    solver, status = solve_cp_sat(copy, seconds, workers=1)
+    if status.status not in ("optimal", "feasible"):
+        return False
+    for var in [*mm.R.values(), *mm.S.values(), *mm.U.values(), *mm.free.values()]:
+        mm.model.add_hint(var, solver.value(var))
+    return True
+
+
+def rows_from_solution(mm: _Model, solver: cp_model.CpSolver, n: int) -> list[list[int]]:
+    return [sorted([t] + [i for i in range(t) if (t, i) in mm.R and solver.value(mm.R[t, i])]) for t in range(n)]
+
+
+def best_baseline(problem: RematProblem) -> RematSchedule | None:
+    """The cheapest baseline plan within budget (None if none fits)."""
+    plans = [solve(problem) for name, solve in BASELINES.items()]
+    fits = [p for p in plans if p.feasible]
+    return min(fits, key=lambda p: (p.compute_cost, p.peak_bytes)) if fits else None
+
+
+def solve_checkmate(problem: RematProblem, warm: RematSchedule | None = None) -> RematSchedule:
+    """Checkmate's MILP, warm-started from the best baseline; never worse than that baseline."""
+    start = time.perf_counter()
+    sg = solver_graph(problem)
+    warm = warm if warm is not None else best_baseline(problem)
+    if warm is not None and warm.compute_cost <= problem.plain_cost:
+        # no recomputation: no plan can cost less than running every op once
+        return _finish(problem, warm, None, "optimal", 0.0, start)
+    mm = build_model(sg, problem.budget_bytes, problem.graph.persistent_bytes)
+    hinted = False
+    if warm is not None and "rows" in warm.details:
+        hinted = complete_hints(mm, sg, warm.details["rows"], problem.time_limit_seconds / 4)  # type: ignore[arg-type]
+    if mm.infeasible:
+        return _finish(problem, warm, None, "infeasible", None, start)
+    solver, status = solve_cp_sat(mm.model, problem.time_limit_seconds, workers=problem.workers)
+    if status.status not in ("optimal", "feasible"):
+        return _finish(problem, warm, None, status.status, status.gap, start)
+    plan = schedule_from_decisions(problem, sg, rows_from_solution(mm, solver, sg.size), "checkmate", status.status)
+    plan.details["hinted"] = hinted
+    return _finish(problem, warm, plan, status.status, status.gap, start)
+
+
+def _finish(
+    problem: RematProblem,
+    warm: RematSchedule | None,
+    plan: RematSchedule | None,
+    status: str,
+    gap: float | None,
+    start: float,
+) -> RematSchedule:
+    """Keep the MILP's plan if it fits and is no costlier than the baseline's, else the baseline's."""
+    use_plan = plan is not None and plan.feasible and (warm is None or plan.compute_cost <= warm.compute_cost)
+    if use_plan:
+        chosen = plan
+    elif warm is not None:
+        chosen = _copy_as(warm, "optimal" if status == "optimal" else "fallback")
+        chosen.details["solver_status"] = status
+    else:
+        chosen = RematSchedule(
+            "checkmate", problem.budget_bytes, [], 0, 0.0, problem.plain_cost, "infeasible",
+            message=f"checkmate: no plan within {problem.budget_bytes} B (solver: {status})",
+        )
+    chosen.seconds = time.perf_counter() - start
+    chosen.gap = gap
+    chosen.details["solver_status"] = status
+    return chosen  # type: ignore[return-value]
+
+
+def _copy_as(plan: RematSchedule, status: str) -> RematSchedule:
+    return RematSchedule(
+        "checkmate", plan.budget_bytes, plan.steps, plan.peak_bytes, plan.compute_cost, plan.plain_cost, status,
+        details={"from": plan.strategy},
+    )

@@ -1,0 +1,163 @@
+"""Rematerialisation: lowering, the sequence estimator, baselines and Checkmate's MILP."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memplan.errors import InfeasibleBudget
+from memplan.graph.analysis import topological_order
+from memplan.graph.generate import random_dag
+from memplan.graph.ir import Category, Graph, Op, Tensor, TensorId
+from memplan.graph.liveness import peak_bytes
+from memplan.remat import STRATEGIES, RematProblem, rematerialize
+from memplan.remat.coarsen import build_solver_graph, identity
+from memplan.remat.lower import InvalidPlan, lower, sequence_peak_bytes, steps_for_order, validate_sequence
+from memplan.remat.problem import rerun_limits, run_cost
+
+
+def fwd_bwd_chain(sizes: list[int], flops: list[int]) -> Graph:
+    """f0..f{n-1} forward, a loss, then b{n-1}..b1 reading the gradient and x{i-1}."""
+    n = len(sizes)
+    tensors = [Tensor(f"x{i}", sizes[i]) for i in range(n)]
+    tensors.append(Tensor("loss", 1, Category.OUTPUT))
+    tensors += [Tensor(f"g{i}", sizes[i - 1]) for i in range(n - 1, 0, -1)]
+    index = {t.name: TensorId(i) for i, t in enumerate(tensors)}
+    ops = [Op("f0", "mm", (), (index["x0"],), flops=flops[0])]
+    ops += [Op(f"f{i}", "mm", (index[f"x{i - 1}"],), (index[f"x{i}"],), flops=flops[i]) for i in range(1, n)]
+    ops.append(Op("loss", "sum", (index[f"x{n - 1}"],), (index["loss"],), flops=1))
+    grad = "loss"
+    for i in range(n - 1, 0, -1):
+        ops.append(Op(f"b{i}", "mm_backward", (index[grad], index[f"x{i - 1}"]), (index[f"g{i}"],), flops=2 * flops[i]))
+        grad = f"g{i}"
+    return Graph(tuple(ops), tuple(tensors), "chain")
+
+
+def test_lowering_raises_on_a_read_of_a_tensor_that_is_not_live() -> None:
+    graph = fwd_bwd_chain([4, 4, 4], [1, 1, 1])
+    problem = RematProblem(graph, 10**6)
+    swapped = [(1,), (0,), *[(v,) for v in range(2, len(graph.ops))]]
+    sg = build_solver_graph(problem, swapped, rerun_limits(graph), None)
+    with pytest.raises(InvalidPlan, match="not live"):
+        lower(sg, [[t] for t in range(sg.size)])
+
+
+def test_lowering_rejects_a_rerun_of_a_run_once_node() -> None:
+    graph = fwd_bwd_chain([4, 4, 4], [1, 1, 1])
+    sg = identity(RematProblem(graph, 10**6))
+    rows = [[t] for t in range(sg.size)]
+    rows[3] = [3]
+    rows[4] = [0, 4]  # f0 is pure: allowed
+    lower(sg, rows)
+    rows[4] = [4, 4 + 1]  # a node from the future
+    with pytest.raises(InvalidPlan):
+        lower(sg, rows)
+
+
+def test_validate_sequence_catches_a_read_after_free() -> None:
+    graph = fwd_bwd_chain([4, 4, 4], [1, 1, 1])
+    steps = steps_for_order(graph, graph.program_order())
+    validate_sequence(graph, steps)
+    bad = list(steps)
+    bad.insert(1, ("free", 0))  # x0 freed before f1 reads it
+    with pytest.raises(InvalidPlan, match="not live"):
+        validate_sequence(graph, bad)
+    with pytest.raises(InvalidPlan, match="never runs"):
+        validate_sequence(graph, steps[: steps.index(("run", len(graph.ops) - 1))])
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), num_ops=st.integers(1, 30), order_seed=st.integers(0, 10**6))
+def test_sequence_estimator_equals_liveness_on_plain_orders(seed: int, num_ops: int, order_seed: int) -> None:
+    graph = random_dag(seed, num_ops)
+    rng = random.Random(order_seed)
+    order = topological_order(graph, [rng.random() for _ in graph.ops])
+    steps = steps_for_order(graph, order)
+    validate_sequence(graph, steps)
+    assert sequence_peak_bytes(graph, steps) == peak_bytes(graph, order)
+
+
+def _fast(problem: RematProblem) -> RematProblem:
+    return RematProblem(problem.graph, problem.budget_bytes, problem.cost, time_limit_seconds=3.0, workers=1)
+
+
+@pytest.mark.parametrize("seed", [3, 7, 11])
+def test_every_strategy_is_valid_and_checkmate_is_never_worse(seed: int) -> None:
+    graph = random_dag(seed, 14, output_fraction=0.0)
+    graph = _with_flops(graph, seed)
+    top = STRATEGIES["checkpoint-all"](RematProblem(graph, 10**9)).peak_bytes
+    for fraction in (1.0, 0.85, 0.7):
+        problem = _fast(RematProblem(graph, int(top * fraction)))
+        plans = {name: solve(problem) for name, solve in STRATEGIES.items()}
+        for name, plan in plans.items():
+            if plan.steps:
+                validate_sequence(graph, plan.steps)
+                assert plan.peak_bytes == sequence_peak_bytes(graph, plan.steps), name
+                assert plan.compute_cost == run_cost(problem.cost, plan.steps)
+        feasible = [p for p in plans.values() if p.feasible]
+        if feasible:
+            assert plans["checkmate"].feasible
+            assert plans["checkmate"].compute_cost <= min(p.compute_cost for p in feasible)
+            assert plans["checkmate"].peak_bytes <= problem.budget_bytes
+
+
+def _with_flops(graph: Graph, seed: int) -> Graph:
+    rng = random.Random(seed)
+    ops = tuple(Op(o.name, o.kind, o.inputs, o.outputs, o.stream, o.mutates, rng.randint(1, 9)) for o in graph.ops)
+    return Graph(ops, graph.tensors, graph.name)
+
+
+def _brute_force_cost(graph: Graph, budget_bytes: int) -> float | None:
+    """The cheapest plan over every R (identity solver graph), by enumeration."""
+    problem = RematProblem(graph, budget_bytes)
+    sg = identity(problem)
+    cells = [(t, i) for t in range(sg.size) for i in range(t) if sg.may_run(t, i)]
+    best = None
+    for bits in itertools.product((0, 1), repeat=len(cells)):
+        rows = [[t] for t in range(sg.size)]
+        for (t, i), bit in zip(cells, bits, strict=True):
+            if bit:
+                rows[t].append(i)
+        try:
+            steps = lower(sg, [sorted(r) for r in rows])
+        except InvalidPlan:
+            continue
+        if sequence_peak_bytes(graph, steps) <= budget_bytes:
+            cost = run_cost(problem.cost, steps)
+            best = cost if best is None else min(best, cost)
+    return best
+
+
+@pytest.mark.parametrize("budget", [14, 15, 17, 30])  # checkpoint-all peaks at 17
+def test_checkmate_is_exact_on_a_tiny_chain(budget: int) -> None:
+    graph = fwd_bwd_chain([4, 6, 5], [3, 1, 2])  # 6 ops: f0 f1 f2 loss b2 b1
+    expected = _brute_force_cost(graph, budget)
+    problem = RematProblem(graph, budget, time_limit_seconds=5.0, workers=1)
+    plan = STRATEGIES["checkmate"](problem)
+    if expected is None:
+        assert not plan.feasible
+    else:
+        assert plan.feasible
+        assert plan.compute_cost == expected
+        validate_sequence(graph, plan.steps)
+
+
+def test_tiny_chain_needs_recomputation_below_the_checkpoint_all_peak() -> None:
+    graph = fwd_bwd_chain([4, 6, 5], [3, 1, 2])
+    top = STRATEGIES["checkpoint-all"](RematProblem(graph, 10**6)).peak_bytes
+    cheap = _brute_force_cost(graph, top)
+    tight = _brute_force_cost(graph, top - 2)
+    assert cheap == sum(op.flops for op in graph.ops)
+    assert tight is not None and tight > cheap
+
+
+def test_infeasible_budget_raises() -> None:
+    graph = fwd_bwd_chain([4, 6, 5], [3, 1, 2])
+    with pytest.raises(InfeasibleBudget):
+        rematerialize(graph, 3, "checkmate", time_limit_seconds=2.0, workers=1)
+    with pytest.raises(InfeasibleBudget):
+        rematerialize(graph, 3, "linearized-greedy")
