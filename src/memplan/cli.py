@@ -16,7 +16,7 @@ app = typer.Typer(
     help="Plan the memory of PyTorch training and inference steps without changing their math.",
 )
 
-COMMAND_MODULES = ("analyze", "demo", "optimize", "remat", "run")
+COMMAND_MODULES = ("analyze", "demo", "optimize", "place", "remat", "run")
 
 for _name in COMMAND_MODULES:
     importlib.import_module(f"memplan.commands.{_name}").register(app)

@@ -4,7 +4,7 @@ earlier pass changes lifetimes). Each pass states what it requires and checks wh
 
 from __future__ import annotations
 
-import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,15 +27,28 @@ class MemoryPlan:
     report: dict[str, Any] = field(default_factory=dict)
 
 
-def make_plan(graph: Graph, *, time_limit_seconds: float = 10.0, reorder: bool = True) -> MemoryPlan:
-    """Reorder (OLLA 3.2) then place (OLLA 3.3) ``graph``; every result is validated."""
+def make_plan(
+    graph: Graph,
+    *,
+    time_limit_seconds: float = 10.0,
+    reorder: bool = True,
+    atomic_groups: Sequence[Sequence[int]] = (),
+) -> MemoryPlan:
+    """Reorder (OLLA 3.2) then place (OLLA 3.3) ``graph``; every result is validated.
+
+    ``atomic_groups`` lists ops that the runtime runs together, at the position of the last
+    of them (an optimizer's update of one parameter): the order is made to say so before
+    lifetimes are measured and tensors placed.
+    """
     validate_graph(graph)
     program = graph.program_order()
     program_peak = peak_bytes(graph, program)
     order, schedule = _reorder(graph, time_limit_seconds) if reorder else (program, _identity_schedule())
+    order = make_groups_contiguous(order, atomic_groups)
     validate_order(graph, order)
     optimized_peak = peak_bytes(graph, order)
     offsets, arena, placement = _place(graph, order, time_limit_seconds)
+    padded_bound = _padded_peak(graph, order)
     report = {
         "num_ops": graph.num_ops,
         "persistent_bytes": graph.persistent_bytes,
@@ -43,11 +56,37 @@ def make_plan(graph: Graph, *, time_limit_seconds: float = 10.0, reorder: bool =
         "optimized_order_peak_bytes": optimized_peak,
         "lower_bound_bytes": peak_lower_bound(graph),
         "arena_bytes": arena,
-        "fragmentation": _fragmentation(arena, optimized_peak - graph.persistent_bytes),
+        "arena_lower_bound_bytes": padded_bound,
+        "fragmentation": _fragmentation(arena, padded_bound),
         "schedule": schedule,
         "placement": placement,
     }
     return MemoryPlan(list(order), offsets, arena, report)
+
+
+def make_groups_contiguous(order: Sequence[int], groups: Sequence[Sequence[int]]) -> list[OpId]:
+    """Move every member of each group to just before the group's last member, keeping their
+    relative order. Members only move later, so an order stays topological as long as no op
+    outside a group reads what a member makes before the group's end (checked by the caller)."""
+    if not groups:
+        return [OpId(v) for v in order]
+    position = {v: i for i, v in enumerate(order)}
+    group_end: dict[int, int] = {}
+    for group in groups:
+        last = max(group, key=position.__getitem__)
+        for v in group:
+            group_end[v] = last
+    members: dict[int, list[int]] = {}
+    for v in order:
+        if v in group_end:
+            members.setdefault(group_end[v], []).append(v)
+    result: list[OpId] = []
+    for v in order:
+        if v not in group_end:
+            result.append(OpId(v))
+        elif group_end[v] == v:
+            result.extend(OpId(m) for m in members[v])
+    return result
 
 
 def _identity_schedule() -> dict[str, Any]:
@@ -63,26 +102,29 @@ def _reorder(graph: Graph, time_limit_seconds: float) -> tuple[list[OpId], dict[
 
 
 def _place(graph: Graph, order: list[OpId], time_limit_seconds: float) -> tuple[dict[TensorId, int], int, dict]:
-    """One offset per planned tensor; no two tensors live at once overlap (checked)."""
-    start = time.perf_counter()
-    offsets, arena = _no_reuse_offsets(graph)
+    offsets, placement = place_order(graph, order, time_limit_seconds)
+    summary = {
+        "method": placement.method,
+        "status": placement.status,
+        "seconds": round(placement.seconds, 3),
+        "gap": round(placement.gap, 6),
+    }
+    return offsets, placement.arena_bytes, summary
+
+
+def place_order(graph: Graph, order: list[OpId], time_limit_seconds: float = 10.0) -> tuple[dict[TensorId, int], Any]:
+    """Static offsets (OLLA 3.3, Sekiyama 3.2) for every planned tensor of ``graph`` run in
+    ``order``, aligned to :data:`ARENA_ALIGNMENT_BYTES`; checked by the placement validator
+    and again, independently, against the estimator's lifetimes."""
+    from memplan.placement import place, problem_from_graph, validate_placement
+
+    problem = problem_from_graph(graph, order, alignment=ARENA_ALIGNMENT_BYTES)
+    placement = place(problem, time_limit_seconds=time_limit_seconds)
+    validate_placement(problem, placement)
+    index = graph.tensor_index
+    offsets = {index[name]: offset for name, offset in zip(problem.names, placement.offsets_bytes, strict=True)}
     _check_no_overlap(graph, order, offsets)
-    seconds = time.perf_counter() - start
-    return offsets, arena, {"method": "no-reuse", "status": "heuristic", "seconds": seconds, "gap": None}
-
-
-def _no_reuse_offsets(graph: Graph) -> tuple[dict[TensorId, int], int]:
-    offsets: dict[TensorId, int] = {}
-    cursor = 0
-    for t, tensor in enumerate(graph.tensors):
-        if not tensor.persistent and tensor.size_bytes > 0:
-            offsets[TensorId(t)] = cursor
-            cursor += _align(tensor.size_bytes)
-    return offsets, cursor
-
-
-def _align(n: int) -> int:
-    return -(-n // ARENA_ALIGNMENT_BYTES) * ARENA_ALIGNMENT_BYTES
+    return offsets, placement
 
 
 def _check_no_overlap(graph: Graph, order: list[OpId], offsets: dict[TensorId, int]) -> None:
@@ -97,6 +139,14 @@ def _check_no_overlap(graph: Graph, order: list[OpId], offsets: dict[TensorId, i
             if offsets[a] < hi and lo < offsets[a] + graph.tensors[a].size_bytes:
                 raise AssertionError(f"placement overlaps {graph.tensors[a].name} and {graph.tensors[t].name}")
         active.append(t)
+
+
+def _padded_peak(graph: Graph, order: list[OpId]) -> int:
+    """The arena's lower bound: the largest total of planned sizes, each padded to the
+    alignment, resident at once (the estimator's peak minus persistent bytes, padded)."""
+    from memplan.placement import lower_bound_bytes, problem_from_graph
+
+    return lower_bound_bytes(problem_from_graph(graph, order, alignment=ARENA_ALIGNMENT_BYTES))
 
 
 def _fragmentation(arena_bytes: int, lower_bound_bytes: int) -> float:

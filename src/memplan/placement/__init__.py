@@ -1,0 +1,125 @@
+"""Location optimisation: static offsets in one arena (OLLA 2.3, 3.3-3.4, 4.5; Sekiyama et al. 3).
+
+Typical use::
+
+    problem = problem_from_graph(graph, order)
+    placement = place(problem, time_limit_seconds=10)
+    validate_placement(problem, placement)
+    fragmentation(placement.arena_bytes, lower_bound_bytes(problem))
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from memplan.errors import MemplanError
+from memplan.placement.check import (
+    ContiguityBroken,
+    FixedOffsetIgnored,
+    InvalidPlacement,
+    MisalignedOffset,
+    MissingBuffer,
+    OutsideArena,
+    OverlappingBuffers,
+    placement_failures,
+    validate_placement,
+)
+from memplan.placement.exact import solve_exact
+from memplan.placement.formats import (
+    CsvInstance,
+    PlacementFormatError,
+    format_placement_csv,
+    parse_placement_csv,
+    read_placement_csv,
+    write_placement_csv,
+)
+from memplan.placement.heuristics import best_fit_skyline, greedy_by_size, portfolio, pyramid_offsets
+from memplan.placement.problem import (
+    ConflictRelation,
+    IntervalConflicts,
+    PairConflicts,
+    Placement,
+    PlacementError,
+    PlacementProblem,
+    arena_bytes,
+    fragmentation,
+    lower_bound_bytes,
+    problem_from_graph,
+)
+
+METHODS = ("auto", "heuristic", "exact")
+
+
+class UnknownMethod(MemplanError, ValueError):
+    pass
+
+
+def place(
+    problem: PlacementProblem, time_limit_seconds: float = 10.0, method: str = "auto", *, workers: int = 2
+) -> Placement:
+    """Place ``problem``'s buffers in one arena.
+
+    "heuristic": the best of the heuristic portfolio. "exact" and "auto": the portfolio, then,
+    unless it already meets the lower bound, CP-SAT (OLLA eq. 15) warm-started from it within
+    ``time_limit_seconds``. With ``problem.capacity_bytes`` the status says whether the arena
+    fits: "infeasible" (proven that nothing fits) or "unknown" (nothing found that fits).
+    """
+    if method not in METHODS:
+        raise UnknownMethod(f"unknown placement method {method!r}; choose one of {', '.join(METHODS)}")
+    if method == "heuristic":
+        return _heuristic(problem)
+    return solve_exact(problem, time_limit_seconds, workers=workers)
+
+
+def _heuristic(problem: PlacementProblem) -> Placement:
+    t0 = time.perf_counter()
+    best = portfolio(problem)
+    cap = problem.capacity_bytes
+    status = best.status
+    if cap is not None and best.arena_bytes > cap:
+        status = "infeasible" if best.bound_bytes > cap else "unknown"
+    return replace(best, status=status, seconds=time.perf_counter() - t0)
+
+
+def placement_fragmentation(problem: PlacementProblem, placement: Placement) -> float:
+    """OLLA 5.4's fragmentation of ``placement``: (arena - lower bound) / arena."""
+    return fragmentation(placement.arena_bytes, lower_bound_bytes(problem))
+
+
+__all__ = [
+    "METHODS",
+    "ConflictRelation",
+    "ContiguityBroken",
+    "CsvInstance",
+    "FixedOffsetIgnored",
+    "IntervalConflicts",
+    "InvalidPlacement",
+    "MisalignedOffset",
+    "MissingBuffer",
+    "OutsideArena",
+    "OverlappingBuffers",
+    "PairConflicts",
+    "Placement",
+    "PlacementError",
+    "PlacementFormatError",
+    "PlacementProblem",
+    "UnknownMethod",
+    "arena_bytes",
+    "best_fit_skyline",
+    "format_placement_csv",
+    "fragmentation",
+    "greedy_by_size",
+    "lower_bound_bytes",
+    "parse_placement_csv",
+    "place",
+    "placement_failures",
+    "placement_fragmentation",
+    "portfolio",
+    "problem_from_graph",
+    "pyramid_offsets",
+    "read_placement_csv",
+    "solve_exact",
+    "validate_placement",
+    "write_placement_csv",
+]

@@ -14,7 +14,7 @@ PyTorch exactly. Parameters and optimizer state are never copied.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +49,7 @@ class RunStats:
     out_bytes: int = 0
     copied_bytes: int = 0
     allocator_bytes: int = 0
-    max_transient_bytes: int = 0  # the largest output of one op that existed twice (before its copy)
+    max_scratch_bytes: int = 0  # the most one op held outside the arena while it ran (see _scratch_bytes)
     copied_ops: dict[str, int] = field(default_factory=dict)
 
 
@@ -66,7 +66,7 @@ class _Call:
     position: int
     node: torch.fx.Node
     fresh: tuple[_Output, ...]
-    strategy: str  # "out", "copy", "empty", "plain"
+    strategy: str  # "out", "kernel" (ARENA_KERNELS), "copy", "empty", "plain"
     out_op: Any = None
     out_names: tuple[str, ...] = ()
 
@@ -153,6 +153,9 @@ class StepRunner:
         out_op, names = _real_out_variant(node.target, len(_tensor_leaves(node.meta.get("val"))))
         if out_op is not None and len(fresh) == len(names):
             return _Call(position, node, fresh, "out", out_op, names)
+        kernel = ARENA_KERNELS.get(node.target._schema.name)
+        if kernel is not None and len(fresh) == 1 and kernel.applies(node.args):
+            return _Call(position, node, fresh, "kernel")
         return _Call(position, node, fresh, "copy")
 
     def _fresh_outputs(self, op_id: int, node: torch.fx.Node) -> list[_Output]:
@@ -242,6 +245,7 @@ class StepRunner:
 
     def _place_call(self, ins: _Call, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         """Run ``func`` so that its fresh outputs land at their planned arena views."""
+        self.stats.max_scratch_bytes = max(self.stats.max_scratch_bytes, _scratch_bytes(ins, args))
         if ins.strategy == "plain":
             self._count_allocator(ins)
             return func(*args, **kwargs)
@@ -254,10 +258,12 @@ class StepRunner:
             result = ins.out_op(*args, **kwargs, **outs)
             self.stats.out_bytes += sum(_nbytes(o) for o in ins.fresh)
             return _with_views(ins.node.meta.get("val"), result, views)
+        if ins.strategy == "kernel":
+            ARENA_KERNELS[func._schema.name].write(views[ins.fresh[0].index], *args, **kwargs)
+            self.stats.out_bytes += _nbytes(ins.fresh[0])
+            return views[ins.fresh[0].index]
         result = func(*args, **kwargs)
         leaves = _tensor_leaves(result)
-        transient = sum(_nbytes(o) for o in ins.fresh if o.offset is not None)
-        self.stats.max_transient_bytes = max(self.stats.max_transient_bytes, transient)
         for o in ins.fresh:
             if o.offset is not None:
                 views[o.index].copy_(leaves[o.index])
@@ -333,6 +339,12 @@ class _ReplayIntoArena(TorchDispatchMode):
 # ---------------------------------------------------------------------- helpers
 
 
+def optimizer_update_groups(capture: Capture) -> list[tuple[int, ...]]:
+    """The ops of each parameter's update, which the runtime runs together (see
+    :func:`memplan.pipeline.make_groups_contiguous`)."""
+    return [members for _, _, members in _optimizer_groups(capture, range(capture.graph.num_ops)).values()]
+
+
 def _optimizer_groups(capture: Capture, order: Sequence[int]) -> dict[int, tuple[str, str, tuple[int, ...]]]:
     """``op id -> (param name, grad node, member ops)`` for the op at which each parameter's
     update runs.
@@ -404,6 +416,43 @@ def _real_out_variant(op: Any, num_outputs: int) -> tuple[Any, tuple[str, ...]]:
         return None, ()
     names = tuple(a.name for a in out_op._schema.arguments if a.is_out)
     return (out_op, names) if len(names) == num_outputs else (None, ())
+
+
+@dataclass(frozen=True)
+class ArenaKernel:
+    """Writes an op's output straight into its arena view where PyTorch has no real out=
+    kernel; ``applies(node_args)`` decides at compile time, bit-exactness is tested."""
+
+    applies: Callable[[tuple], bool]
+    write: Callable[..., None]
+
+
+def _embedding_backward_into(out: torch.Tensor, grad, indices, num_weights, padding_idx, scale_grad_by_freq) -> None:
+    """CPU's ``embedding_dense_backward`` is zeros, then one ``add_`` per index in index order,
+    which ``index_add_`` reproduces bit for bit; the padding row stays zero."""
+    out.zero_().index_add_(0, indices.reshape(-1), grad.reshape(-1, out.shape[-1]))
+    if padding_idx >= 0:
+        out[padding_idx] = 0
+
+
+ARENA_KERNELS = {
+    "aten::embedding_dense_backward": ArenaKernel(
+        applies=lambda args: len(args) > 4 and args[4] is False, write=_embedding_backward_into
+    ),
+}
+
+_WEIGHT_ARGUMENT = {"aten::convolution": 1, "aten::convolution_backward": 2}
+
+
+def _scratch_bytes(ins: _Call, args: Any) -> int:
+    """Bytes one op holds outside the arena while it runs: outputs computed before their copy
+    into the arena, and, for a CPU convolution, the copy of its weight that oneDNN makes in
+    its blocked layout on every call (measured: as large as the weight; eager pays it too)."""
+    scratch = sum(_nbytes(o) for o in ins.fresh if ins.strategy == "copy" and o.offset is not None)
+    position = _WEIGHT_ARGUMENT.get(ins.node.target._schema.name)
+    if position is not None and isinstance(args[position], torch.Tensor):
+        scratch += args[position].untyped_storage().nbytes()
+    return scratch
 
 
 def _tensor_leaves(value: Any) -> list[Any]:

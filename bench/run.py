@@ -1,0 +1,76 @@
+"""memplan vs eager PyTorch over the zoo: numerics, measured peak memory and step time.
+
+Each row trains K steps with memplan and K steps with eager PyTorch from the same initial
+state and seed (CPU), then one more step of each under the profiler to measure memory.
+Times are medians over the K steps; the ratio compares the two within one run.
+
+    python bench/run.py --batch 32 --steps 3              # writes bench/results/run-b32.md
+    python bench/run.py --batch 1 --models mlp,vgg16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from memplan.report.format import format_bytes
+from memplan.torch.compare import compare_with_eager
+from memplan.torch.zoo import list_models
+
+HEADER = (
+    "| model | batch | optimizer | max abs diff | eager peak | memplan peak | planned peak "
+    "| memplan / eager | copied into arena | largest op scratch | eager s | memplan s | time ratio |"
+)
+
+
+def row(r: dict) -> str:
+    m, e = r["memplan"], r["eager"]
+    planned = m["planned_peak_bytes"]
+    return (
+        f"| {r['model']} | {r['batch_size']} | {r['optimizer']} | {r['max_abs_diff']} | {format_bytes(e['peak_bytes'])} "
+        f"| {format_bytes(m['peak_bytes'])} | {format_bytes(planned)} | {m['peak_bytes'] / e['peak_bytes']:.3f} "
+        f"| {format_bytes(m['copied_bytes'])} | {format_bytes(m['max_scratch_bytes'])} "
+        f"| {e['step_seconds']:.3f} | {m['step_seconds']:.3f} | {m['step_seconds'] / e['step_seconds']:.3f} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--optimizer", default="adam")
+    parser.add_argument("--models", default=",".join(list_models()))
+    parser.add_argument("--time-limit", type=float, default=10.0)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    out = Path(args.out or Path(__file__).parent / "results" / f"run-b{args.batch}.md")
+    command = " ".join(["python bench/run.py", *sys.argv[1:]])
+    rows, reports = [], []
+    for model in args.models.split(","):
+        start = time.perf_counter()
+        r = compare_with_eager(
+            model, args.batch, args.steps, "train", args.optimizer, time_limit_seconds=args.time_limit
+        )
+        reports.append(r)
+        rows.append(row(r))
+        print(rows[-1], f"({time.perf_counter() - start:.0f} s)", flush=True)
+    lines = [
+        f"# memplan vs eager PyTorch, training, batch {args.batch} (CPU)",
+        "",
+        f"Regenerate: `{command}`",
+        "",
+        HEADER,
+        "|" + "---|" * (HEADER.count("|") - 1),
+        *rows,
+    ]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(reports, indent=1))
+    print(f"wrote {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""Exact placement with CP-SAT: OLLA eq. 6-8 and 15 (Sekiyama et al. eq. 1-6), warm-started.
+
+Variables (in units of :func:`unit_bytes`): one start ``A_k`` per block (a contiguous group
+is one block whose members sit at fixed distances from its start) and ``peak``. Constraints:
+every buffer ends at or below ``peak`` (eq. 8); conflicting buffers do not overlap, either
+through ``AddNoOverlap2D`` over time x address rectangles when conflicts are lifetime
+overlaps, or through one disjunction per conflicting pair otherwise (eq. 6, 7a, 7b). The
+objective is ``min peak`` (eq. 15), bounded above by the best heuristic arena (or the
+capacity) and below by :func:`lower_bound_bytes`.
+
+As in OLLA 4.5 (Function 5) a first solve fixes a pyramid of nested long-lived buffers,
+which shrinks the model; a second solve without it can prove optimality or infeasibility.
+Both are hinted with the best placement so far, and the result is never worse than it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+from memplan.placement.heuristics import Blocks, make_blocks, portfolio, pyramid_offsets
+from memplan.placement.problem import Placement, PlacementProblem, arena_bytes
+from memplan.solvers import SolveStatus, solve_cp_sat
+
+
+@dataclass
+class _Model:
+    model: cp_model.CpModel
+    starts: list[cp_model.IntVar]
+    peak: cp_model.IntVar
+
+
+def _build(
+    problem: PlacementProblem, blocks: Blocks, upper_units: int, lower_units: int, preset: dict[int, int]
+) -> _Model:
+    model = cp_model.CpModel()
+    peak = model.new_int_var(lower_units, upper_units, "peak")
+    starts = []
+    for k, size in enumerate(blocks.sizes_units):
+        fixed = blocks.fixed_start_units.get(k, preset.get(k))
+        if fixed is not None:
+            x = model.new_constant(int(fixed))
+        else:
+            x = model.new_int_var(0, max(0, upper_units - int(size)), f"A{k}")
+        model.add(x + int(size) <= peak)  # eq. 8
+        starts.append(x)
+    if problem.is_interval and problem.lifetimes is not None:
+        _no_overlap_2d(model, problem, blocks, starts, peak)
+    else:
+        _pairwise(model, problem, blocks, starts)
+    # Bottom-left search: lowest possible start first, at its lowest value, as constructive
+    # packing heuristics (and minimalloc's canonical solutions) do.
+    model.add_decision_strategy(starts, cp_model.CHOOSE_LOWEST_MIN, cp_model.SELECT_MIN_VALUE)
+    model.minimize(peak)  # eq. 15
+    return _Model(model, starts, peak)
+
+
+def _member_rows(blocks: Blocks) -> list[tuple[int, int, int]]:
+    """(buffer, block, offset in block) for every member with a non-zero size."""
+    return [
+        (b, k, pre)
+        for k, (members, prefixes) in enumerate(zip(blocks.members, blocks.prefixes_units, strict=True))
+        for b, pre in zip(members, prefixes, strict=True)
+        if blocks.buffer_sizes_units[b] > 0
+    ]
+
+
+def _no_overlap_2d(
+    model: cp_model.CpModel, problem: PlacementProblem, blocks: Blocks, starts: list, peak: cp_model.IntVar
+) -> None:
+    assert problem.lifetimes is not None
+    time_iv, addr_iv, demands = [], [], []
+    for b, k, pre in _member_rows(blocks):
+        t0, t1 = problem.lifetimes[b]
+        size = int(blocks.buffer_sizes_units[b])
+        time_iv.append(model.new_fixed_size_interval_var(t0, t1 - t0, f"T{b}"))
+        addr_iv.append(model.new_fixed_size_interval_var(starts[k] + pre, size, f"Y{b}"))
+        demands.append(size)
+    model.add_no_overlap_2d(time_iv, addr_iv)
+    model.add_cumulative(time_iv, demands, peak)  # implied; gives the solver the sweep bound
+
+
+def _pairwise(model: cp_model.CpModel, problem: PlacementProblem, blocks: Blocks, starts: list) -> None:
+    rows = {b: (k, pre) for b, k, pre in _member_rows(blocks)}
+    sizes = blocks.buffer_sizes_units
+    for i, j in problem.conflicts.pairs():
+        if i not in rows or j not in rows or rows[i][0] == rows[j][0]:
+            continue  # empty buffers never overlap; members of one block are laid out disjoint
+        (ki, pi), (kj, pj) = rows[i], rows[j]
+        below = model.new_bool_var(f"a{i}_{j}")  # eq. 7a/7b: i below j, or j below i
+        model.add(starts[ki] + pi + int(sizes[i]) <= starts[kj] + pj).only_enforce_if(below)
+        model.add(starts[kj] + pj + int(sizes[j]) <= starts[ki] + pi).only_enforce_if(~below)
+
+
+def _hint(m: _Model, blocks: Blocks, placement: Placement, preset: dict[int, int]) -> None:
+    offsets = np.array(placement.offsets_bytes, dtype=np.int64) // blocks.unit_bytes
+    for k, members in enumerate(blocks.members):
+        if k in preset or k in blocks.fixed_start_units:
+            continue
+        m.model.add_hint(m.starts[k], int(offsets[members[0]] - blocks.prefixes_units[k][0]))
+    m.model.add_hint(m.peak, -(-placement.arena_bytes // blocks.unit_bytes))
+
+
+def _offsets_from(solver: cp_model.CpSolver, m: _Model, blocks: Blocks, n: int) -> tuple[int, ...]:
+    offsets = [0] * n
+    for k, (members, prefixes) in enumerate(zip(blocks.members, blocks.prefixes_units, strict=True)):
+        start = int(solver.value(m.starts[k]))
+        for b, pre in zip(members, prefixes, strict=True):
+            offsets[b] = (start + pre) * blocks.unit_bytes
+    return tuple(offsets)
+
+
+def _solve(
+    problem: PlacementProblem,
+    blocks: Blocks,
+    best: Placement,
+    upper_units: int,
+    preset: dict[int, int],
+    seconds: float,
+    workers: int,
+) -> tuple[tuple[int, ...] | None, SolveStatus]:
+    lower_units = -(-problem.lower_bound_bytes // blocks.unit_bytes)
+    m = _build(problem, blocks, upper_units, min(lower_units, upper_units), preset)
+    hinted = best.arena_bytes <= upper_units * blocks.unit_bytes  # a hint over the capacity misleads
+    if hinted:
+        _hint(m, blocks, best, preset)
+    # Bottom-left fixed search finds packings within a capacity; from a good hint, the
+    # default portfolio (with its neighbourhood search) improves it better.
+    solver, status = _solve_cp_sat(m.model, seconds, workers, fixed_search=not hinted)
+    if status.status in ("optimal", "feasible"):
+        return _offsets_from(solver, m, blocks, problem.num_buffers), status
+    return None, status
+
+
+# FIXED_SEARCH follows the bottom-left strategy exactly, which is what finds zero-fragmentation
+# packings of hundreds of buffers in seconds (the automatic search does not, in minutes);
+# solve_cp_sat passes solver parameters on once it accepts a ``parameters`` mapping.
+_PASSES_PARAMETERS = "parameters" in inspect.signature(solve_cp_sat).parameters
+
+
+def _solve_cp_sat(
+    model: cp_model.CpModel, seconds: float, workers: int, fixed_search: bool
+) -> tuple[cp_model.CpSolver, SolveStatus]:
+    if _PASSES_PARAMETERS and fixed_search:
+        extra = {"search_branching": cp_model.FIXED_SEARCH}
+        return solve_cp_sat(model, seconds, workers=workers, parameters=extra)  # type: ignore[call-arg]
+    return solve_cp_sat(model, seconds, workers=workers)
+
+
+def solve_exact(
+    problem: PlacementProblem,
+    time_limit_seconds: float = 10.0,
+    *,
+    workers: int = 2,
+    pyramid: bool = True,
+    start: Placement | None = None,
+) -> Placement:
+    """Minimise the arena (within ``problem.capacity_bytes`` if set) in ``time_limit_seconds``.
+
+    Starts from ``start`` or the heuristic portfolio and never returns a larger arena. The
+    status is "optimal" when the arena meets the lower bound or CP-SAT proves it minimal;
+    with a capacity the heuristic misses, "infeasible" when CP-SAT proves nothing fits and
+    "unknown" when it finds nothing in time (the best placement found is still returned).
+    """
+    t0 = time.perf_counter()
+    best = start or portfolio(problem)
+    bound = problem.lower_bound_bytes
+    if problem.capacity_bytes is not None and bound > problem.capacity_bytes:
+        return _restamp(best, best.method, "infeasible", t0, bound)  # more is live at once than fits
+    if best.arena_bytes <= bound:
+        return _restamp(best, best.method, "optimal", t0, bound)
+    blocks = make_blocks(problem)
+    unit = blocks.unit_bytes
+    cap_units = None if problem.capacity_bytes is None else problem.capacity_bytes // unit
+    upper_units = -(-best.arena_bytes // unit) if cap_units is None else min(-(-best.arena_bytes // unit), cap_units)
+    method = best.method
+    # The pyramid helps minimise (OLLA 4.5) but can exclude every placement within a tight
+    # capacity, so it is only tried when the heuristic already fits.
+    over_capacity = cap_units is not None and best.arena_bytes > cap_units * unit
+    preset = pyramid_offsets(problem, blocks) if pyramid and not over_capacity else {}
+    if preset:
+        remaining = time_limit_seconds - (time.perf_counter() - t0)
+        offsets, _ = _solve(problem, blocks, best, upper_units, preset, 0.3 * remaining, workers)
+        best, method = _better(problem, best, offsets, method, "cp-sat+pyramid")
+        if best.arena_bytes <= bound:
+            return _restamp(best, method, "optimal", t0, bound)
+    remaining = max(0.05, time_limit_seconds - (time.perf_counter() - t0))
+    offsets, status = _solve(
+        problem, blocks, best, min(upper_units, -(-best.arena_bytes // unit)), {}, remaining, workers
+    )
+    best, method = _better(problem, best, offsets, method, "cp-sat")
+    if status.bound is not None:
+        bound = max(bound, round(status.bound) * unit)
+    return _restamp(best, method, _status(problem, best, status, bound), t0, bound)
+
+
+def _better(
+    problem: PlacementProblem, best: Placement, offsets: tuple[int, ...] | None, method: str, new_method: str
+) -> tuple[Placement, str]:
+    if offsets is None:
+        return best, method
+    arena = arena_bytes(problem, offsets)
+    if arena >= best.arena_bytes:
+        return best, method
+    return Placement(offsets, arena, new_method, "feasible", 0.0, 0.0, best.bound_bytes), new_method
+
+
+def _status(problem: PlacementProblem, best: Placement, status: SolveStatus, bound: int) -> str:
+    fits = problem.capacity_bytes is None or best.arena_bytes <= problem.capacity_bytes
+    if fits:
+        return "optimal" if best.arena_bytes <= bound or status.status == "optimal" else "feasible"
+    return "infeasible" if status.status == "infeasible" else "unknown"
+
+
+def _restamp(best: Placement, method: str, status: str, t0: float, bound: int) -> Placement:
+    arena = best.arena_bytes
+    gap = 0.0 if status == "optimal" or arena <= 0 else max(0.0, (arena - bound) / arena)
+    return Placement(best.offsets_bytes, arena, method, status, time.perf_counter() - t0, gap, bound)
