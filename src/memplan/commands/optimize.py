@@ -28,6 +28,26 @@ TimeLimit = Annotated[float, typer.Option("--time-limit", min=0.01, help="Second
 MethodOption = Annotated[str, typer.Option("--method", help="auto | ilp | heuristic")]
 
 
+def placement_report(graph: Graph, order: list[int], time_limit_seconds: float) -> dict[str, Any]:
+    """Static offsets for the optimised order (OLLA 3.3): arena, fragmentation, solver."""
+    from memplan.pipeline import ARENA_ALIGNMENT_BYTES, place_order
+    from memplan.placement import lower_bound_bytes, problem_from_graph
+
+    _, placement = place_order(graph, order, time_limit_seconds)
+    bound = lower_bound_bytes(problem_from_graph(graph, order, alignment=ARENA_ALIGNMENT_BYTES))
+    return {
+        "arena_bytes": placement.arena_bytes,
+        "arena_lower_bound_bytes": bound,
+        "fragmentation": 0.0 if placement.arena_bytes == 0 else (placement.arena_bytes - bound) / placement.arena_bytes,
+        "placement": {
+            "method": placement.method,
+            "status": placement.status,
+            "seconds": round(placement.seconds, 3),
+            "gap": round(placement.gap, 6),
+        },
+    }
+
+
 def optimize_report(graph: Graph, result: ScheduleResult) -> dict[str, Any]:
     """The JSON of ``memplan optimize``; ``order`` lists op names for later stages."""
     program_bytes = peak_bytes(graph, graph.program_order())
@@ -59,6 +79,11 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     s = report["schedule"]
     gap = "-" if s["gap"] is None else format_percent(s["gap"])
     table.add_row("solver", f"{s['method']}, {s['status']}, gap {gap}, {s['seconds']:.2f} s")
+    if "arena_bytes" in report:
+        p = report["placement"]
+        table.add_row("arena (static offsets)", format_bytes(report["arena_bytes"]))
+        table.add_row("fragmentation", format_percent(report["fragmentation"]))
+        table.add_row("placement", f"{p['method']}, {p['status']}, {p['seconds']:.2f} s")
     console.print(table)
 
 
@@ -76,6 +101,7 @@ def optimize(
     graph = load_source(source, batch_size=batch_size, mode=mode.value, optimizer=optimizer.value)
     result = optimize_order(graph, time_limit_seconds=time_limit, method=method, progress=progress)
     report = optimize_report(graph, result)
+    report.update(placement_report(graph, list(result.order), time_limit))
     print_report(report, Console())
     write_json(json_path, report)
 
