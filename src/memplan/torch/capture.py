@@ -151,10 +151,10 @@ def _fake_setup(model, optimizer, batch):
 
 
 def _fake_batch(batch: Any, mode) -> Any:
+    from torch._subclasses.fake_tensor import is_fake
+
     def to_fake(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and fake_mode_of(torch.nn.Module(), x) is None:
-            return mode.from_tensor(x)
-        return x
+        return mode.from_tensor(x) if isinstance(x, torch.Tensor) and not is_fake(x) else x
 
     return pytree.tree_map(to_fake, batch)
 

@@ -116,6 +116,7 @@ def compare_with_eager(
             "max_scratch_bytes": runner.stats.max_scratch_bytes,
             "planned_peak_bytes": plan.arena_bytes + plan.report["persistent_bytes"] + runner.stats.max_scratch_bytes,
             "out_bytes": runner.stats.out_bytes,
+            "copied_ops": dict(sorted(runner.stats.copied_ops.items(), key=lambda kv: -kv[1])),
             "step_seconds": memplan.median_seconds(),
         },
         "eager": {"peak_bytes": resident_eager + eager.peak_bytes, "step_seconds": eager.median_seconds()},

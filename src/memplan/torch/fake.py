@@ -4,8 +4,6 @@ touches the user's objects."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -79,9 +77,3 @@ def _fake_state_value(value: object, mode: FakeTensorMode) -> object:
         with mode:
             return torch.tensor(number, dtype=value.dtype)
     return mode.from_tensor(value)
-
-
-@contextmanager
-def fresh_fake_mode() -> Iterator[FakeTensorMode]:
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
-    yield mode

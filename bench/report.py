@@ -1,0 +1,27 @@
+"""Collect every measured table (bench/results/*.md) into docs/results.md.
+
+    python bench/report.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ORDER = ["capture", "reorder", "placement", "run-b1", "run-b32", "remat", "remat_run"]
+
+
+def main() -> None:
+    results = ROOT / "bench" / "results"
+    parts = [(ROOT / "docs" / "results-intro.md").read_text().rstrip() + "\n"]
+    names = [n for n in ORDER if (results / f"{n}.md").exists()]
+    names += sorted(p.stem for p in results.glob("*.md") if p.stem not in ORDER)
+    for name in names:
+        text = (results / f"{name}.md").read_text().rstrip()
+        parts.append("\n" + text.replace("\n# ", "\n## ").replace("# ", "## ", 1) + "\n")
+    (ROOT / "docs" / "results.md").write_text("\n".join(parts))
+    print(f"wrote docs/results.md from {', '.join(names)}")
+
+
+if __name__ == "__main__":
+    main()
