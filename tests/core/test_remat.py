@@ -17,7 +17,7 @@ from memplan.graph.liveness import peak_bytes
 from memplan.remat import STRATEGIES, RematProblem, rematerialize
 from memplan.remat.coarsen import build_solver_graph, identity
 from memplan.remat.lower import InvalidPlan, lower, sequence_peak_bytes, steps_for_order, validate_sequence
-from memplan.remat.problem import rerun_limits, run_cost
+from memplan.remat.problem import base_kind, recompute_skips_mutation, rerun_limits, run_cost
 
 
 def fwd_bwd_chain(sizes: list[int], flops: list[int]) -> Graph:
@@ -161,3 +161,96 @@ def test_infeasible_budget_raises() -> None:
         rematerialize(graph, 3, "checkmate", time_limit_seconds=2.0, workers=1)
     with pytest.raises(InfeasibleBudget):
         rematerialize(graph, 3, "linearized-greedy")
+
+
+def bn_relu_graph(pre_mutation_reader: bool = False, bn_writes: Category = Category.BUFFER) -> Graph:
+    """conv -> batch norm (writes its running mean) -> relu_ (rewrites the BN output) -> f ->
+    loss -> a backward reading the rectified output, another reading the conv output."""
+    tensors = [
+        Tensor("x", 64, Category.INPUT, True),
+        Tensor("w", 16, Category.PARAMETER, True),
+        Tensor("running_mean", 8, bn_writes, True),
+        Tensor("c", 64),
+        Tensor("bn", 64),
+        Tensor("relu_.alias", 0, Category.CONTROL),
+        Tensor("relu_.ctl", 0, Category.CONTROL),
+        Tensor("y", 32),
+        Tensor("loss", 4, Category.OUTPUT),
+        Tensor("g", 64),
+        Tensor("g2", 64),
+        Tensor("peek", 4),
+    ]
+    x, w, rm, c, bn, alias, ctl, y, loss, g, g2, peek = (TensorId(i) for i in range(len(tensors)))
+    ops = [
+        Op("x", "placeholder", (), (x,)),
+        Op("w", "placeholder", (), (w,)),
+        Op("rm", "placeholder", (), (rm,)),
+        Op("conv", "aten.convolution.default", (x, w), (c,), flops=10),
+        Op("bn", "aten.native_batch_norm.default", (c, rm), (bn,), mutates=(rm,), flops=3),
+    ]
+    if pre_mutation_reader:
+        ops.append(Op("peek", "aten.sum.default", (bn,), (peek,), flops=1))
+    ops += [
+        Op("relu_", "aten.relu_.default", (bn,), (alias, ctl), mutates=(bn,), flops=1),
+        Op("f", "aten.mm.default", (bn, alias, ctl, w), (y,), flops=10),
+        Op("loss", "aten.sum.default", (y,), (loss,), flops=1),
+        Op("gy", "aten.threshold_backward.default", (loss, bn, alias), (g,), flops=2),
+        Op("gc", "aten.convolution_backward.default", (g, c), (g2,), flops=20),
+    ]
+    if not pre_mutation_reader:
+        tensors.pop()
+    return Graph(tuple(ops), tuple(tensors), "bn-relu")
+
+
+def test_batch_norm_and_its_inplace_relu_may_be_recomputed() -> None:
+    graph = bn_relu_graph()
+    limits = rerun_limits(graph)
+    bn, relu = graph.op_index["bn"], graph.op_index["relu_"]
+    assert recompute_skips_mutation(graph, bn)
+    assert limits[bn] > bn and limits[relu] > relu
+
+
+@pytest.mark.parametrize("why", ["reader before the in-place write", "writes a parameter"])
+def test_batch_norm_stays_run_once_when_its_recompute_would_differ(why: str) -> None:
+    if why == "writes a parameter":
+        graph = bn_relu_graph(bn_writes=Category.PARAMETER)
+        assert not recompute_skips_mutation(graph, graph.op_index["bn"])
+    else:
+        graph = bn_relu_graph(pre_mutation_reader=True)
+    limits = rerun_limits(graph)
+    bn, relu = graph.op_index["bn"], graph.op_index["relu_"]
+    assert limits[bn] == bn and limits[relu] == relu
+
+
+def test_lowering_reruns_the_inplace_follower_once_after_each_recompute() -> None:
+    graph = bn_relu_graph()
+    sg = identity(RematProblem(graph, 10**6))
+    bn, relu, gy = graph.op_index["bn"], graph.op_index["relu_"], graph.op_index["gy"]
+    rows = [[t] for t in range(sg.size)]
+    rows[gy] = [bn, relu, gy]  # the decisions re-run relu_ too: the lowering must not apply it twice here
+    steps = lower(sg, rows)
+    validate_sequence(graph, steps)
+    runs = [i for kind, i in steps if kind == "run"]
+    assert runs.count(bn) == 2 and runs.count(relu) == 2
+    second_bn = len(runs) - 1 - runs[::-1].index(bn)
+    assert runs[second_bn + 1 :].index(relu) < runs[second_bn + 1 :].index(gy)
+    bn_out = graph.tensor_index["bn"]
+    between = steps[steps.index(("run", graph.op_index["f"])) : steps.index(("run", gy))]
+    assert ("free", bn_out) in between  # the recompute is what lets the BN output go
+
+
+def test_validate_sequence_rejects_applying_an_inplace_op_twice() -> None:
+    graph = bn_relu_graph()
+    relu = graph.op_index["relu_"]
+    steps = steps_for_order(graph, range(len(graph.ops)))
+    twice = list(steps)
+    twice.insert(twice.index(("run", relu)) + 1, ("run", relu))
+    with pytest.raises(InvalidPlan, match="mutated"):
+        validate_sequence(graph, twice)
+
+
+def test_batch_norm_kinds() -> None:
+    assert base_kind("aten.native_batch_norm.default") == "native_batch_norm"
+    assert base_kind("aten::_native_batch_norm_legit") == "_native_batch_norm_legit"
+    graph = bn_relu_graph()
+    assert not recompute_skips_mutation(graph, graph.op_index["relu_"])  # mutates an activation, not a buffer

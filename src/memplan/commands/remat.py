@@ -19,6 +19,12 @@ StrategyOption = Annotated[str, typer.Option("--strategy", help="checkmate, a ba
 TimeLimit = Annotated[float, typer.Option("--time-limit", min=0.1, help="CP-SAT time limit per solve, seconds.")]
 SweepOut = Annotated[Path | None, typer.Option("--sweep", help="Also sweep budgets and plot overhead to this PNG.")]
 MaxBatch = Annotated[bool, typer.Option("--max-batch", help="Also find the largest batch within the budget.")]
+RunSteps = Annotated[
+    int,
+    typer.Option(
+        "--run", min=0, help="Train K steps with the best feasible plan and eagerly; compare numerics and peak."
+    ),
+]
 
 
 def parse_budget(text: str, top_bytes: int) -> int:
@@ -42,6 +48,7 @@ def remat(
     json_path: JsonOut = None,
     sweep_png: SweepOut = None,
     max_batch_flag: MaxBatch = False,
+    run_steps: RunSteps = 0,
 ) -> None:
     """Recompute activations to fit a budget (Checkmate MILP, Chen, Griewank baselines)."""
     from memplan.remat import STRATEGIES
@@ -70,7 +77,43 @@ def remat(
     if max_batch_flag:
         report["max_batch"] = _max_batch(source, optimizer.value, budget_bytes, time_limit)
         Console().print(f"largest batch within {format_bytes(budget_bytes)}: {report['max_batch']}")
+    if run_steps:
+        report["run"] = _run(source, batch_size, optimizer.value, plans, graph, run_steps)
+        print_run(report["run"], Console())
     write_json(json_path, report)
+
+
+def _run(source: str, batch_size: int, optimizer: str, plans: dict[str, Any], graph: Any, steps: int) -> dict:
+    """Run the cheapest feasible plan for ``steps`` steps against eager PyTorch."""
+    from memplan.sources import is_graph_file
+
+    if is_graph_file(source):
+        raise MemplanError("--run needs a zoo model to train, not a graph file")
+    feasible = [p for p in plans.values() if p.feasible]
+    if not feasible:
+        raise MemplanError("--run: no strategy has a plan within the budget")
+    best = min(feasible, key=lambda p: (p.compute_cost, p.peak_bytes))
+    from memplan.torch.remat_runtime import compare_remat_with_eager
+
+    return compare_remat_with_eager(
+        source, batch_size, best.budget_bytes, best.strategy, steps, optimizer, schedule=best, expected_graph=graph
+    )
+
+
+def print_run(run: dict[str, Any], console: Console) -> None:
+    table = Table(title=f"{run['model']} b{run['batch_size']}: {run['steps']} steps with {run['strategy']} vs eager")
+    for column in ("planned peak", "measured peak", "ratio", "eager peak", "overhead", "max abs diff", "step s"):
+        table.add_column(column)
+    table.add_row(
+        format_bytes(run["planned_peak_bytes"]),
+        format_bytes(run["measured_peak_bytes"]),
+        f"{run['peak_ratio']:.3f}",
+        format_bytes(run["eager_peak_bytes"]),
+        f"{100 * run['overhead']:.1f}%",
+        f"{run['max_abs_diff']:g}",
+        f"{run['remat_step_seconds']:.2f} (eager {run['eager_step_seconds']:.2f})",
+    )
+    console.print(table)
 
 
 def _max_batch(source: str, optimizer: str, budget_bytes: int, time_limit: float) -> int:

@@ -46,7 +46,7 @@ def rows_for_policy(
     ``required(t)``: nodes that must be resident at the start of stage ``t + 1`` (computed in
     stage ``t`` if missing). Values that can never be recomputed again are always kept.
     """
-    pinned = {i for i in range(sg.size) if any(j >= sg.limit[i] for j in sg.users[i])}
+    pinned = {i for i in range(sg.size) if any(j >= sg.limit[i] for j in sg.users[i] if reads_bytes(sg, i, j))}
     available: set[int] = set()
     result = []
     for t in range(sg.size):
@@ -57,7 +57,7 @@ def rows_for_policy(
         while stack:
             j = stack.pop()
             for p in sg.preds[j]:
-                if p in available or p in row:
+                if p in available or p in row or not reads_bytes(sg, p, j):
                     continue
                 if not sg.may_run(t, p):
                     raise InvalidPlan(f"stage {t} needs node {p}, which was dropped and may not be recomputed")
@@ -70,6 +70,14 @@ def rows_for_policy(
         nxt = t + 1
         available = {i for i in available | row if i in pinned or not sg.may_run(nxt, i) or carry(t, i)}
     return result
+
+
+def reads_bytes(sg: SolverGraph, p: int, j: int) -> bool:
+    """Node ``j`` reads memory of node ``p``, not only 0-byte handles. A control token (the
+    optimizer's write-after-read edge on a weight) orders ``j`` after ``p``'s first run,
+    which every schedule keeps, so it needs ``p`` neither kept nor recomputed; a view
+    handle comes with its base, which is read (and kept) as well."""
+    return any(b > 0 and j in readers for b, readers in sg.parts[p])
 
 
 def forward_nodes(sg: SolverGraph) -> list[int]:

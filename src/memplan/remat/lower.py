@@ -11,7 +11,10 @@ each tensor instance is freed right after its last read, before its producer run
 later step reads it, which is the least ``S`` consistent with ``R`` (4.6). Two further
 passes, both sound: runs whose outputs nobody reads are dropped (4.6's "spurious
 evaluation"), and a 0-byte view whose base has been recomputed is re-run before it is read
-(its old handle would point at freed storage).
+(its old handle would point at freed storage). An in-place follower (``relu_`` after a
+batch norm, see :mod:`memplan.remat.problem`) is treated like such a view: the decisions
+never re-run it on their own (that would apply it twice); it is re-run once after each
+recompute of the tensor it rewrites, before the first read.
 """
 
 from __future__ import annotations
@@ -21,7 +24,14 @@ from collections.abc import Iterable, Sequence
 from memplan.errors import MemplanError
 from memplan.graph.ir import Category, Graph
 from memplan.remat.coarsen import SolverGraph
-from memplan.remat.problem import RematProblem, RematSchedule, Step, rerun_limits, run_cost
+from memplan.remat.problem import (
+    RematProblem,
+    RematSchedule,
+    Step,
+    recompute_skips_mutation,
+    rerun_limits,
+    run_cost,
+)
 
 
 class InvalidPlan(MemplanError):
@@ -50,6 +60,7 @@ def lower(sg: SolverGraph, R: Decisions, S: Decisions | None = None) -> list[Ste
     _check_decisions(sg, r_rows, rows(S) if S is not None else None)
     graph = sg.graph
     runs = [v for row in r_rows for k in row for v in sg.groups[k]]
+    runs = _drop_inplace_reruns(graph, runs)
     runs = _prune_unread_runs(graph, runs)
     runs = _refresh_views(graph, runs)
     return insert_frees(graph, runs)
@@ -109,9 +120,30 @@ def _prune_unread_runs(graph: Graph, runs: list[int]) -> list[int]:
         runs = [v for v, k in zip(runs, keep, strict=True) if k]
 
 
+def _drop_inplace_reruns(graph: Graph, runs: list[int]) -> list[int]:
+    """Keep only the first run of an in-place op; :func:`_refresh_views` re-runs it when needed."""
+    seen: set[int] = set()
+    out = []
+    for v in runs:
+        if v in seen and graph.ops[v].mutates and not recompute_skips_mutation(graph, v):
+            continue
+        seen.add(v)
+        out.append(v)
+    return out
+
+
 def _is_view(graph: Graph, v: int) -> bool:
     op = graph.ops[v]
     return bool(op.outputs) and all(graph.tensors[t].size_bytes == 0 for t in op.outputs)
+
+
+def _sources(graph: Graph, v: int) -> tuple[int, ...]:
+    """What a 0-byte op's handles point into: the tensor an in-place op rewrites, else its inputs.
+
+    An in-place op is re-run only when *that* tensor is re-created; re-running it because
+    another input (the residual it adds) was recomputed would apply it twice."""
+    op = graph.ops[v]
+    return op.mutates if op.mutates else op.inputs
 
 
 def _refresh_views(graph: Graph, runs: list[int]) -> list[int]:
@@ -123,7 +155,7 @@ def _refresh_views(graph: Graph, runs: list[int]) -> list[int]:
     out: list[int] = []
 
     def inputs_now(v: int) -> tuple[int, ...]:
-        return tuple(serial.get(t, -1) for t in graph.ops[v].inputs)
+        return tuple(serial.get(t, -1) for t in _sources(graph, v))
 
     def emit(v: int) -> None:
         out.append(v)
@@ -235,7 +267,9 @@ def validate_sequence(graph: Graph, steps: Sequence[Step]) -> None:
 
     Every operand is live when read; a run-once op (see :func:`rerun_limits`) runs exactly
     once and every op at least once; a re-run reads the same versions of its inputs as the
-    first run (no mutation in between) and does not re-allocate a live tensor; a view is not
+    first run (no mutation in between; a batch norm's recompute neither reads nor writes its
+    running statistics, and a recomputed tensor starts unwritten) and does not re-allocate a
+    live tensor; a view is not
     read after the storage it was made from was re-created; only live, non-persistent
     tensors are freed; outputs of the step are live at the end.
     """
@@ -260,26 +294,31 @@ def validate_sequence(graph: Graph, steps: Sequence[Step]) -> None:
             if t not in live:
                 raise InvalidPlan(f"op {op.name!r} reads {graph.tensors[t].name!r}, which is not live")
             producer = graph.producer[t]
-            if t in view_made_from and view_made_from[t] != tuple(serial[u] for u in graph.ops[producer].inputs):
+            if t in view_made_from and view_made_from[t] != tuple(serial[u] for u in _sources(graph, producer)):
                 raise InvalidPlan(f"op {op.name!r} reads view {graph.tensors[t].name!r} of re-created storage")
-        versions = tuple(version[t] for t in op.inputs)
         runs[i] += 1
+        skipped = set(op.mutates) if runs[i] > 1 and recompute_skips_mutation(graph, i) else set()
+        versions = tuple(-1 if t in skipped else version[t] for t in op.inputs)
         if runs[i] > 1:
             if limits[i] <= i:
                 raise InvalidPlan(f"op {op.name!r} may run only once")
-            if versions != first_inputs[i]:
+            first = tuple(-1 if t in skipped else x for t, x in zip(op.inputs, first_inputs[i], strict=True))
+            if versions != first:
                 raise InvalidPlan(f"op {op.name!r} is re-run after one of its inputs was mutated")
             if any(t in live and graph.tensors[t].size_bytes for t in op.outputs):
                 raise InvalidPlan(f"op {op.name!r} is re-run while its output is still live")
         first_inputs.setdefault(i, versions)
         for t in op.mutates:
-            version[t] += 1
+            if t not in skipped:
+                version[t] += 1
         clock += 1
         for t in op.outputs:
+            if graph.tensors[t].size_bytes:
+                version[t] = 0  # a new instance: nothing has written it yet
             live.add(t)
             serial[t] = clock
             if _is_view(graph, i):
-                view_made_from[t] = tuple(serial[u] for u in op.inputs)
+                view_made_from[t] = tuple(serial[u] for u in _sources(graph, i))
     _check_end(graph, runs, live)
 
 

@@ -11,6 +11,17 @@ attempted, so a second run would draw new numbers), not ops whose output some op
 (a recomputed value would be the pre-mutation one). An op that *reads* a tensor mutated
 later in the step (a convolution reading a weight that the optimizer updates) may be
 re-run, but only before that mutation runs: its window ends there.
+
+Two exceptions make convolutional networks' activations droppable (Checkmate 4.1 asks
+only that a recompute yield the same value):
+
+* a training-mode batch norm (:func:`recompute_skips_mutation`) writes only its running
+  statistics, BUFFER tensors that its outputs do not depend on: a recompute re-runs it
+  *without* that write (the runtime passes no running statistics), so it is pure;
+* an in-place op that rewrites the fresh output of a re-runnable op, and that every other
+  reader of that output reads after (``relu_`` after a batch norm, :func:`inplace_follower`)
+  is re-run together with its producer: the lowering never re-runs it on its own, only
+  right after a recompute of the producer, before the first reader (like a view).
 """
 
 from __future__ import annotations
@@ -18,17 +29,57 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from memplan.graph.ir import Graph
+from memplan.graph.ir import Category, Graph
 
 Step = tuple[str, int]
 """``("run", op_id)`` runs an op (first run or recompute) and allocates its outputs;
 ``("free", tensor_id)`` releases the current instance of a tensor."""
 
 RANDOM_KIND_MARKERS = ("bernoulli", "dropout", "rand", "normal_", "uniform_")
+BATCH_NORM_KINDS = frozenset({"native_batch_norm", "_native_batch_norm_legit"})
+"""Batch norms whose only side effect is the update of the running statistics they are given."""
 
 
 def is_random(kind: str) -> bool:
     return any(marker in kind for marker in RANDOM_KIND_MARKERS)
+
+
+def base_kind(kind: str) -> str:
+    """``aten.native_batch_norm.default`` -> ``native_batch_norm`` (other kinds unchanged)."""
+    for prefix in ("aten.", "aten::"):
+        if kind.startswith(prefix):
+            return kind[len(prefix) :].split(".")[0]
+    return kind
+
+
+def recompute_skips_mutation(graph: Graph, v: int) -> bool:
+    """Op ``v`` is a batch norm whose only writes are to BUFFER tensors (running statistics):
+    a recompute must skip those writes, and then yields the first run's outputs bitwise."""
+    op = graph.ops[v]
+    return (
+        base_kind(op.kind) in BATCH_NORM_KINDS
+        and bool(op.mutates)
+        and all(graph.tensors[t].category is Category.BUFFER and graph.tensors[t].persistent for t in op.mutates)
+    )
+
+
+def inplace_follower(graph: Graph, m: int, mutated_by: dict[int, list[int]] | None = None) -> bool:
+    """Op ``m`` rewrites in place one fresh output ``t`` of another op ``p`` and can be re-run
+    exactly once after every recompute of ``p``: all of ``m``'s outputs are 0-byte handles,
+    it is ``t``'s only writer, and every other reader of ``t`` reads one of ``m``'s outputs
+    (so no reader wants the value before the write). Its other inputs (the residual of an
+    in-place ``+=``) are read again by the re-run: the lowering keeps them live until then."""
+    op = graph.ops[m]
+    if len(op.mutates) != 1 or is_random(op.kind) or not op.outputs:
+        return False
+    t = op.mutates[0]
+    p = graph.producer[t]
+    if p == m or graph.tensors[t].persistent or any(graph.tensors[u].size_bytes for u in op.outputs):
+        return False
+    if mutated_by is not None and mutated_by.get(t, [m]) != [m]:
+        return False
+    handles = set(op.outputs)
+    return all(c == m or handles & set(graph.ops[c].inputs) for c in graph.consumers[t])
 
 
 _LIMITS_CACHE: dict[int, tuple[Graph, list[int]]] = {}
@@ -57,14 +108,16 @@ def compute_rerun_limits(graph: Graph) -> list[int]:
     for op_id, op in enumerate(graph.ops):
         for t in op.mutates:
             mutated_by.setdefault(t, []).append(op_id)
+    followers = {m for m in range(n) if inplace_follower(graph, m, mutated_by)}
     limits = []
     for v, op in enumerate(graph.ops):
         fixed = (
             op.kind == "placeholder"
             or op.kind == "memplan.release"
-            or bool(op.mutates)
+            or (bool(op.mutates) and v not in followers and not recompute_skips_mutation(graph, v))
             or is_random(op.kind)
-            or any(t in mutated_by for t in op.outputs)
+            or any(m not in followers for t in op.outputs for m in mutated_by.get(t, ()))
+            or (v in followers and limits[graph.producer[op.mutates[0]]] <= graph.producer[op.mutates[0]])
         )
         if fixed:
             limits.append(v)
