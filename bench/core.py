@@ -26,7 +26,8 @@ def row(num_ops: int) -> str:
     return (
         f"| {num_ops} | {g.num_tensors} | {seconds(lambda: Reachability.of(g)):.2f} | {1e3 * queries:.1f} "
         f"| {seconds(lambda: (asap_levels(g), alap_levels(g))):.2f} "
-        f"| {seconds(lambda: peak_bytes(g, g.program_order())):.3f} | {seconds(lambda: peak_lower_bound(g, reach)):.2f} |"
+        f"| {seconds(lambda: peak_bytes(g, g.program_order())):.3f} "
+        f"| {seconds(lambda: peak_lower_bound(g, reach)):.2f} |"
     )
 
 
