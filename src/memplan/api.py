@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 import torch
 from memplan.pipeline import MemoryPlan, make_plan
 from memplan.torch.capture import Capture, capture_infer_step, capture_train_step
-from memplan.torch.runtime import Plan, StepRunner, optimizer_update_groups
+from memplan.torch.runtime import Plan, StepRunner, allocator_tensors, optimizer_update_groups
 
 
 def optimize(
@@ -44,7 +44,13 @@ def optimize(
             raise TypeError("a training step needs loss_fn(output, target)")
         capture = capture_train_step(model, optimizer, loss_fn, example_batch)
     groups = optimizer_update_groups(capture) if capture.mode == "train" else []
-    plan = make_plan(capture.graph, time_limit_seconds=time_limit_seconds, reorder=reorder, atomic_groups=groups)
+    plan = make_plan(
+        capture.graph,
+        time_limit_seconds=time_limit_seconds,
+        reorder=reorder,
+        atomic_groups=groups,
+        allocator_tensors=allocator_tensors(capture),
+    )
     return capture, plan
 
 

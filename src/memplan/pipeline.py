@@ -4,7 +4,7 @@ earlier pass changes lifetimes). Each pass states what it requires and checks wh
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,12 +33,15 @@ def make_plan(
     time_limit_seconds: float = 10.0,
     reorder: bool = True,
     atomic_groups: Sequence[Sequence[int]] = (),
+    allocator_tensors: Collection[int] = frozenset(),
 ) -> MemoryPlan:
     """Reorder (OLLA 3.2) then place (OLLA 3.3) ``graph``; every result is validated.
 
     ``atomic_groups`` lists ops that the runtime runs together, at the position of the last
     of them (an optimizer's update of one parameter): the order is made to say so before
-    lifetimes are measured and tensors placed.
+    lifetimes are measured and tensors placed. ``allocator_tensors`` are left out of the
+    arena (the runtime cannot make their op write into it): the plan's peak then counts the
+    whole arena plus those tensors' own resident bytes over time.
     """
     validate_graph(graph)
     program = graph.program_order()
@@ -47,8 +50,9 @@ def make_plan(
     order = make_groups_contiguous(order, atomic_groups)
     validate_order(graph, order)
     optimized_peak = peak_bytes(graph, order)
-    offsets, arena, placement = _place(graph, order, time_limit_seconds)
-    padded_bound = _padded_peak(graph, order)
+    offsets, arena, placement = _place(graph, order, time_limit_seconds, allocator_tensors)
+    padded_bound = _padded_peak(graph, order, allocator_tensors)
+    outside = _resident_peak(graph, order, allocator_tensors)
     report = {
         "num_ops": graph.num_ops,
         "persistent_bytes": graph.persistent_bytes,
@@ -57,6 +61,9 @@ def make_plan(
         "lower_bound_bytes": peak_lower_bound(graph),
         "arena_bytes": arena,
         "arena_lower_bound_bytes": padded_bound,
+        "allocator_tensor_bytes": sum(graph.tensors[t].size_bytes for t in allocator_tensors),
+        "allocator_peak_bytes": outside,
+        "planned_peak_bytes": graph.persistent_bytes + arena + outside,
         "fragmentation": _fragmentation(arena, padded_bound),
         "schedule": schedule,
         "placement": placement,
@@ -101,8 +108,10 @@ def _reorder(graph: Graph, time_limit_seconds: float) -> tuple[list[OpId], dict[
     return list(result.order), schedule
 
 
-def _place(graph: Graph, order: list[OpId], time_limit_seconds: float) -> tuple[dict[TensorId, int], int, dict]:
-    offsets, placement = place_order(graph, order, time_limit_seconds)
+def _place(
+    graph: Graph, order: list[OpId], time_limit_seconds: float, exclude: Collection[int]
+) -> tuple[dict[TensorId, int], int, dict]:
+    offsets, placement = place_order(graph, order, time_limit_seconds, exclude)
     summary = {
         "method": placement.method,
         "status": placement.status,
@@ -112,13 +121,15 @@ def _place(graph: Graph, order: list[OpId], time_limit_seconds: float) -> tuple[
     return offsets, placement.arena_bytes, summary
 
 
-def place_order(graph: Graph, order: list[OpId], time_limit_seconds: float = 10.0) -> tuple[dict[TensorId, int], Any]:
+def place_order(
+    graph: Graph, order: list[OpId], time_limit_seconds: float = 10.0, exclude: Collection[int] = frozenset()
+) -> tuple[dict[TensorId, int], Any]:
     """Static offsets (OLLA 3.3, Sekiyama 3.2) for every planned tensor of ``graph`` run in
     ``order``, aligned to :data:`ARENA_ALIGNMENT_BYTES`; checked by the placement validator
     and again, independently, against the estimator's lifetimes."""
     from memplan.placement import place, problem_from_graph, validate_placement
 
-    problem = problem_from_graph(graph, order, alignment=ARENA_ALIGNMENT_BYTES)
+    problem = problem_from_graph(graph, order, alignment=ARENA_ALIGNMENT_BYTES, exclude=exclude)
     placement = place(problem, time_limit_seconds=time_limit_seconds)
     validate_placement(problem, placement)
     index = graph.tensor_index
@@ -141,12 +152,28 @@ def _check_no_overlap(graph: Graph, order: list[OpId], offsets: dict[TensorId, i
         active.append(t)
 
 
-def _padded_peak(graph: Graph, order: list[OpId]) -> int:
+def _padded_peak(graph: Graph, order: list[OpId], exclude: Collection[int]) -> int:
     """The arena's lower bound: the largest total of planned sizes, each padded to the
     alignment, resident at once (the estimator's peak minus persistent bytes, padded)."""
     from memplan.placement import lower_bound_bytes, problem_from_graph
 
-    return lower_bound_bytes(problem_from_graph(graph, order, alignment=ARENA_ALIGNMENT_BYTES))
+    return lower_bound_bytes(problem_from_graph(graph, order, alignment=ARENA_ALIGNMENT_BYTES, exclude=exclude))
+
+
+def _resident_peak(graph: Graph, order: list[OpId], tensors: Collection[int]) -> int:
+    """The most bytes of ``tensors`` resident at once in ``order`` (the estimator's lifetimes)."""
+    if not tensors:
+        return 0
+    delta = [0] * (len(order) + 1)
+    for life in lifetimes(graph, order):
+        if life.tensor in tensors:
+            delta[life.start] += graph.tensors[life.tensor].size_bytes
+            delta[life.end] -= graph.tensors[life.tensor].size_bytes
+    peak = resident = 0
+    for d in delta:
+        resident += d
+        peak = max(peak, resident)
+    return peak
 
 
 def _fragmentation(arena_bytes: int, lower_bound_bytes: int) -> float:

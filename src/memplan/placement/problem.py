@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -309,14 +309,19 @@ def fragmentation(arena: int, lower_bound: int) -> float:
     return 0.0 if arena <= 0 else (arena - lower_bound) / arena
 
 
-def problem_from_graph(graph: Graph, order: Sequence[int], alignment: int = 1) -> PlacementProblem:
+def problem_from_graph(
+    graph: Graph, order: Sequence[int], alignment: int = 1, exclude: Collection[int] = frozenset()
+) -> PlacementProblem:
     """The arena problem of ``graph`` run in ``order``: every non-persistent tensor with bytes,
     with the lifetimes of :func:`memplan.graph.liveness.lifetimes`. Persistent tensors belong
-    to the model and 0-byte tensors need no memory, so neither is placed."""
+    to the model and 0-byte tensors need no memory, so neither is placed; nor is any tensor in
+    ``exclude`` (left to the allocator by the runtime)."""
     kept = [
         life
         for life in graph_lifetimes(graph, order)
-        if not graph.tensors[life.tensor].persistent and graph.tensors[life.tensor].size_bytes > 0
+        if not graph.tensors[life.tensor].persistent
+        and graph.tensors[life.tensor].size_bytes > 0
+        and life.tensor not in exclude
     ]
     return PlacementProblem.from_intervals(
         [graph.tensors[life.tensor].size_bytes for life in kept],

@@ -114,7 +114,7 @@ def compare_with_eager(
             "fallback_bytes": runner.stats.allocator_bytes,
             "copied_bytes": runner.stats.copied_bytes,
             "max_scratch_bytes": runner.stats.max_scratch_bytes,
-            "planned_peak_bytes": plan.arena_bytes + plan.report["persistent_bytes"] + runner.stats.max_scratch_bytes,
+            "planned_peak_bytes": plan.report["planned_peak_bytes"] + runner.stats.max_scratch_bytes,
             "out_bytes": runner.stats.out_bytes,
             "copied_ops": dict(sorted(runner.stats.copied_ops.items(), key=lambda kv: -kv[1])),
             "step_seconds": memplan.median_seconds(),

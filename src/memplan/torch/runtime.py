@@ -339,6 +339,34 @@ class _ReplayIntoArena(TorchDispatchMode):
 # ---------------------------------------------------------------------- helpers
 
 
+def allocator_tensors(capture: Capture) -> set[TensorId]:
+    """Fresh outputs of forward/backward ops that cannot write into the arena (no real out=
+    kernel, no arena kernel, not an empty factory): the runtime leaves them to the allocator
+    rather than computing them aside and copying them in, which would hold them twice."""
+    graph = capture.graph
+    nodes = {n.name: n for n in capture.gm.graph.nodes}
+    left: set[TensorId] = set()
+    for op_id, phase in enumerate(capture.op_phase):
+        if phase not in ("forward", "backward"):
+            continue
+        node = nodes[capture.node_of_op[op_id]]
+        outputs = [t for t in graph.ops[op_id].outputs if graph.tensors[t].size_bytes > 0]
+        if outputs and not _writes_into_arena(node, len(outputs)):
+            left.update(TensorId(t) for t in outputs)
+    return left
+
+
+def _writes_into_arena(node: torch.fx.Node, num_fresh: int) -> bool:
+    name = node.target._schema.name
+    if name in _EMPTY_FACTORIES:
+        return True
+    kernel = ARENA_KERNELS.get(name)
+    if kernel is not None and num_fresh == 1 and kernel.applies(node.args):
+        return True
+    out_op, names = _real_out_variant(node.target, len(_tensor_leaves(node.meta.get("val"))))
+    return out_op is not None and len(names) == num_fresh
+
+
 def optimizer_update_groups(capture: Capture) -> list[tuple[int, ...]]:
     """The ops of each parameter's update, which the runtime runs together (see
     :func:`memplan.pipeline.make_groups_contiguous`)."""
