@@ -22,15 +22,15 @@ from memplan.torch.zoo import list_models
 
 HEADER = (
     "| model | batch | optimizer | max abs diff | eager peak | memplan peak | planned peak "
-    "| memplan / eager | copied share | largest op scratch | eager s | memplan s | time ratio |"
+    "| memplan / eager | left to allocator | largest op scratch | eager s | memplan s | time ratio |"
 )
 
 
 def row(r: dict) -> str:
     m, e = r["memplan"], r["eager"]
     planned = m["planned_peak_bytes"]
-    written = m["copied_bytes"] + m["out_bytes"]
-    share = m["copied_bytes"] / written if written else 0.0
+    written = m["copied_bytes"] + m["out_bytes"] + m["fallback_bytes"]
+    share = m["fallback_bytes"] / written if written else 0.0
     return (
         f"| {r['model']} | {r['batch_size']} | {r['optimizer']} | {r['max_abs_diff']} "
         f"| {format_bytes(e['peak_bytes'])} | {format_bytes(m['peak_bytes'])} | {format_bytes(planned)} "
@@ -48,11 +48,16 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(list_models()))
     parser.add_argument("--time-limit", type=float, default=10.0)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--from-json", default=None, help="rebuild the table from a previous run's JSON")
     args = parser.parse_args()
     out = Path(args.out or Path(__file__).parent / "results" / f"run-b{args.batch}.md")
     command = " ".join(["python bench/run.py", *sys.argv[1:]])
     rows, reports = [], []
-    for model in args.models.split(","):
+    if args.from_json:
+        reports = json.loads(Path(args.from_json).read_text())
+        rows = [row(r) for r in reports]
+        command = f"python bench/run.py --batch {args.batch} --steps {reports[0]['steps']}"
+    for model in [] if args.from_json else args.models.split(","):
         start = time.perf_counter()
         r = compare_with_eager(
             model, args.batch, args.steps, "train", args.optimizer, time_limit_seconds=args.time_limit
