@@ -174,10 +174,10 @@ class StepRunner:
         for ins in self.instructions:
             nodes = [ins.grad_node] if isinstance(ins, _Update) else _arg_nodes(ins.node)
             for n in nodes:
-                last[_root(n).name] = ins.position
+                last[n.name] = max(last.get(n.name, -1), ins.position)
         output = next(n for n in self.capture.gm.graph.nodes if n.op == "output")
         for n in _arg_nodes(output):
-            last[_root(n).name] = len(self.plan.order)
+            last[n.name] = len(self.plan.order)
         return last
 
     # ------------------------------------------------------------------ run
@@ -192,7 +192,7 @@ class StepRunner:
             if isinstance(ins, _Update):
                 self._update(ins, env)
             else:
-                env[ins.node.name] = self._execute(ins, env)
+                _store(ins.node, self._execute(ins, env), env)
             for name in frees.get(ins.position, ()):
                 env.pop(name, None)
         return self._result(env)
@@ -507,10 +507,15 @@ def _with_views(meta_value: Any, result: Any, views: dict[int, torch.Tensor]) ->
     return result
 
 
-def _root(node: torch.fx.Node) -> torch.fx.Node:
-    while node.target is operator.getitem:
-        node = node.args[0]
-    return node
+def _store(node: torch.fx.Node, value: Any, env: dict[str, Any]) -> None:
+    """Keep an op's result; a tuple read only through getitem is kept element by element, so
+    each element is dropped at its own last use, not at the last use of any of them."""
+    users = list(node.users)
+    if isinstance(value, (tuple, list)) and users and all(u.target is operator.getitem for u in users):
+        for user in users:
+            env[user.name] = value[user.args[1]]
+    else:
+        env[node.name] = value
 
 
 def _arg_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
