@@ -335,8 +335,7 @@ class _Builder:
     def getitem(self, node: torch.fx.Node) -> None:
         source, index = node.args
         refs = self.value_refs.get(source.name, [])
-        leaves = _tensor_leaves(source.meta.get("val"))
-        position = _leaf_position(source.meta.get("val"), index, leaves)
+        position = _leaf_position(source.meta.get("val"), index)
         self.value_refs[node.name] = [refs[position]] if position is not None and position < len(refs) else []
 
     def _inputs_of(self, node: torch.fx.Node) -> tuple[list[TensorId], list[int]]:
@@ -460,7 +459,8 @@ def _tensor_leaves(value: Any) -> list[torch.Tensor]:
     return [x for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor)]
 
 
-def _leaf_position(value: Any, index: int, leaves: list[torch.Tensor]) -> int | None:
+def _leaf_position(value: Any, index: int) -> int | None:
+    """Which tensor output of a multi-output op ``value[index]`` is (None: not a tensor)."""
     if not isinstance(value, (tuple, list)) or index >= len(value):
         return None
     item = value[index]
