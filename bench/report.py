@@ -18,7 +18,8 @@ def main() -> None:
     names += sorted(p.stem for p in results.glob("*.md") if p.stem not in ORDER)
     for name in names:
         text = (results / f"{name}.md").read_text().rstrip()
-        parts.append("\n" + text.replace("\n# ", "\n## ").replace("# ", "## ", 1) + "\n")
+        demoted = "\n".join("#" + line if line.startswith("#") else line for line in text.splitlines())
+        parts.append("\n" + demoted + "\n")
     (ROOT / "docs" / "results.md").write_text("\n".join(parts))
     print(f"wrote docs/results.md from {', '.join(names)}")
 
