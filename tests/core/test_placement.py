@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import typer
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from memplan.commands.place import OutputClash
@@ -43,6 +45,7 @@ from memplan.placement import (
 )
 from memplan.placement.generate import adversarial_instance
 from memplan.placement.heuristics import HEURISTICS, best_fit_skyline, greedy_by_size, make_blocks, pyramid_offsets
+from memplan.placement.repair import load_profile, peak_anchored, reach_bound, repair_top_band, solve_window
 
 
 def sol(offsets: list[int], arena: int) -> Placement:
@@ -219,7 +222,7 @@ def test_exact_equals_brute_force_on_tiny_instances(kind: str) -> None:
     rng = random.Random(2)
     for _ in range(6):
         p = random_intervals(rng, 4, max_size=3, horizon=4) if kind == "intervals" else random_pairs(rng, 4, 0.6)
-        exact = solve_exact(p, 5.0, workers=1, start=stacked(p))
+        exact = solve_exact(p, 5.0, workers=1, repair=False, start=stacked(p))
         assert exact.method.startswith("cp-sat") or exact.arena_bytes == sum(p.padded_sizes_bytes)
         validate_placement(p, exact)
         assert exact.status == "optimal"
@@ -254,6 +257,84 @@ def test_exact_reaches_the_bound_where_a_perfect_packing_exists() -> None:
     ):
         validate_placement(capped, result)
         assert result.arena_bytes == inst.optimal_arena_bytes and result.status == "optimal"
+
+
+# --- repair: peak-anchored packing and top-band LNS ------------------------------------------
+
+
+@st.composite
+def interval_problems(draw: st.DrawFn) -> PlacementProblem:
+    n = draw(st.integers(1, 14))
+    starts = draw(st.lists(st.integers(0, 9), min_size=n, max_size=n))
+    lengths = draw(st.lists(st.integers(1, 5), min_size=n, max_size=n))
+    sizes = draw(st.lists(st.integers(0, 9), min_size=n, max_size=n))
+    alignment = draw(st.sampled_from([1, 4]))
+    lives = [(s, s + d) for s, d in zip(starts, lengths, strict=True)]
+    return PlacementProblem.from_intervals(sizes, lives, alignment_bytes=alignment)
+
+
+@settings(max_examples=40, deadline=None)
+@given(interval_problems())
+def test_reach_bound_is_valid_and_never_worse_than_its_start(p: PlacementProblem) -> None:
+    for start in (portfolio(p), stacked(p)):
+        result, unreachable = reach_bound(p, start, seconds=1.0, workers=1)
+        validate_placement(p, result)
+        assert lower_bound_bytes(p) <= result.arena_bytes <= start.arena_bytes
+        assert not (unreachable and result.arena_bytes == lower_bound_bytes(p))
+
+
+@settings(max_examples=25, deadline=None)
+@given(interval_problems(), st.integers(0, 3))
+def test_peak_anchored_placements_are_valid_and_tile_the_peak(p: PlacementProblem, half_width: int) -> None:
+    anchoring = peak_anchored(p, half_width, seconds=1.0, workers=1)
+    assert anchoring.placements or anchoring.bound_unreachable
+    peak_time = int(load_profile(p).argmax())
+    for placement in anchoring.placements:
+        validate_placement(p, placement)
+        live = [b for b, (s, e) in enumerate(p.lifetimes or ()) if s <= peak_time < e]
+        assert all(placement.offsets_bytes[b] + p.padded_sizes_bytes[b] <= lower_bound_bytes(p) for b in live)
+
+
+def test_load_profile_peaks_at_the_lower_bound() -> None:
+    rng = random.Random(4)
+    for _ in range(5):
+        p = random_intervals(rng, 12)
+        assert int(load_profile(p).max()) == lower_bound_bytes(p)
+
+
+def test_top_band_repair_moves_only_the_top_buffers_down() -> None:
+    p = two_live()  # a, b live together (4 B each), c (8 B) later: bound 8
+    start = sol([0, 4, 4], 12)  # c needlessly on top of the bound
+    validate_placement(p, start)
+    repaired = repair_top_band(p, start, band_bytes=0, seconds=2.0, workers=1)
+    assert repaired is not None
+    validate_placement(p, repaired)
+    assert repaired.arena_bytes == 8 and repaired.offsets_bytes[:2] == (0, 4)
+
+
+def test_top_band_repair_gives_up_when_the_fixed_part_leaves_no_room() -> None:
+    # a (1 B) lives throughout; b and c (2 B each) live at its start and end: bound 3
+    p = PlacementProblem.from_intervals([1, 2, 2], [(0, 3), (0, 1), (2, 3)])
+    assert lower_bound_bytes(p) == 3
+    loose = sol([0, 1, 3], 5)  # only c is above the bound; it fits back at 1
+    repaired = repair_top_band(p, loose, band_bytes=0, seconds=2.0, workers=1)
+    assert repaired is not None and repaired.arena_bytes == 3
+    stuck = sol([1, 2, 2], 4)  # a fixed in the middle leaves no 2 contiguous bytes under 3
+    for placement in (loose, repaired, stuck):
+        validate_placement(p, placement)
+    assert repair_top_band(p, stuck, band_bytes=0, seconds=2.0, workers=1) is None
+    freed = repair_top_band(p, stuck, band_bytes=2, seconds=2.0, workers=1)  # a reaches above 3 - 2: free too
+    assert freed is not None and freed.arena_bytes == 3
+    validate_placement(p, freed)
+
+
+def test_a_window_fits_its_clipped_buffers_under_the_bound() -> None:
+    p = PlacementProblem.from_intervals([2, 1, 2, 3], [(0, 2), (1, 3), (2, 4), (3, 5)])
+    offsets, status = solve_window(p, 1, 3, seconds=2.0, workers=1)  # buffers 0, 1, 2; lifetimes clipped
+    assert status in ("optimal", "feasible") and offsets is not None and sorted(offsets) == [0, 1, 2]
+    sizes = p.padded_sizes_bytes
+    assert all(o + sizes[b] <= lower_bound_bytes(p) for b, o in offsets.items())
+    assert offsets[0] + sizes[0] <= offsets[1] or offsets[1] + sizes[1] <= offsets[0]  # live together at 1
 
 
 def test_adversarial_generator_beats_greedy_by_size() -> None:

@@ -11,6 +11,9 @@ capacity) and below by :func:`lower_bound_bytes`.
 As in OLLA 4.5 (Function 5) a first solve fixes a pyramid of nested long-lived buffers,
 which shrinks the model; a second solve without it can prove optimality or infeasibility.
 Both are hinted with the best placement so far, and the result is never worse than it.
+Before them, on interval problems, :func:`memplan.placement.repair.reach_bound` spends up to
+:data:`REPAIR_SHARE` of the time on peak-anchored packing and top-band repair at capacity =
+lower bound, which closes most near-misses in a second or two.
 """
 
 from __future__ import annotations
@@ -24,7 +27,12 @@ from ortools.sat.python import cp_model
 
 from memplan.placement.heuristics import Blocks, make_blocks, portfolio, pyramid_offsets
 from memplan.placement.problem import Placement, PlacementProblem, arena_bytes
+from memplan.placement.repair import applies as repair_applies
+from memplan.placement.repair import reach_bound
 from memplan.solvers import SolveStatus, solve_cp_sat
+
+# Share of the time limit given to memplan.placement.repair before the CP-SAT solves.
+REPAIR_SHARE = 0.7
 
 
 @dataclass
@@ -157,6 +165,7 @@ def solve_exact(
     *,
     workers: int = 2,
     pyramid: bool = True,
+    repair: bool = True,
     start: Placement | None = None,
 ) -> Placement:
     """Minimise the arena (within ``problem.capacity_bytes`` if set) in ``time_limit_seconds``.
@@ -165,6 +174,7 @@ def solve_exact(
     status is "optimal" when the arena meets the lower bound or CP-SAT proves it minimal;
     with a capacity the heuristic misses, "infeasible" when CP-SAT proves nothing fits and
     "unknown" when it finds nothing in time (the best placement found is still returned).
+    ``repair=False`` skips :func:`memplan.placement.repair.reach_bound` (CP-SAT alone).
     """
     t0 = time.perf_counter()
     best = start or portfolio(problem)
@@ -175,6 +185,11 @@ def solve_exact(
         return _restamp(best, best.method, "optimal", t0, bound)
     blocks = make_blocks(problem)
     unit = blocks.unit_bytes
+    if repair and repair_applies(problem):
+        best, unreachable = reach_bound(problem, best, REPAIR_SHARE * time_limit_seconds, workers)
+        if best.arena_bytes <= bound:
+            return _restamp(best, best.method, "optimal", t0, bound)
+        bound += unit if unreachable else 0  # a peak window proved that the bound cannot be met
     cap_units = None if problem.capacity_bytes is None else problem.capacity_bytes // unit
     upper_units = -(-best.arena_bytes // unit) if cap_units is None else min(-(-best.arena_bytes // unit), cap_units)
     method = best.method
