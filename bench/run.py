@@ -21,21 +21,29 @@ from memplan.torch.compare import compare_with_eager
 from memplan.torch.zoo import list_models
 
 HEADER = (
-    "| model | batch | optimizer | max abs diff | eager peak | memplan peak | planned peak "
-    "| memplan / eager | left to allocator | largest op scratch | eager s | memplan s | time ratio |"
+    "| model | batch | optimizer | allocator | max abs diff | eager peak | memplan peak | planned peak "
+    "| graph estimate | memplan / eager | measured / planned | left to allocator | eager s | memplan s | time ratio |"
 )
+
+
+def fallback_share(m: dict) -> float:
+    """Bytes the step requested that did not land in the arena, over all it requested."""
+    if "served_bytes" in m:  # planned allocator
+        total = m["served_bytes"] + m["fallback_bytes"]
+    else:  # arena views
+        total = m["copied_bytes"] + m["out_bytes"] + m["fallback_bytes"]
+    return m["fallback_bytes"] / total if total else 0.0
 
 
 def row(r: dict) -> str:
     m, e = r["memplan"], r["eager"]
     planned = m["planned_peak_bytes"]
-    written = m["copied_bytes"] + m["out_bytes"] + m["fallback_bytes"]
-    share = m["fallback_bytes"] / written if written else 0.0
     return (
-        f"| {r['model']} | {r['batch_size']} | {r['optimizer']} | {r['max_abs_diff']} "
+        f"| {r['model']} | {r['batch_size']} | {r['optimizer']} | {r.get('allocator', 'views')} | {r['max_abs_diff']} "
         f"| {format_bytes(e['peak_bytes'])} | {format_bytes(m['peak_bytes'])} | {format_bytes(planned)} "
-        f"| {m['peak_bytes'] / e['peak_bytes']:.3f} "
-        f"| {100 * share:.1f}% | {format_bytes(m['max_scratch_bytes'])} "
+        f"| {format_bytes(m.get('graph_planned_peak_bytes', planned))} "
+        f"| {m['peak_bytes'] / e['peak_bytes']:.3f} | {m['peak_bytes'] / planned:.3f} "
+        f"| {100 * fallback_share(m):.2f}% "
         f"| {e['step_seconds']:.3f} | {m['step_seconds']:.3f} | {m['step_seconds'] / e['step_seconds']:.3f} |"
     )
 
@@ -47,6 +55,7 @@ def main() -> None:
     parser.add_argument("--optimizer", default="adam")
     parser.add_argument("--models", default=",".join(list_models()))
     parser.add_argument("--time-limit", type=float, default=10.0)
+    parser.add_argument("--allocator", default="auto", choices=["auto", "replay", "views"])
     parser.add_argument("--out", default=None)
     parser.add_argument("--from-json", default=None, help="rebuild the table from a previous run's JSON")
     args = parser.parse_args()
@@ -60,7 +69,13 @@ def main() -> None:
     for model in [] if args.from_json else args.models.split(","):
         start = time.perf_counter()
         r = compare_with_eager(
-            model, args.batch, args.steps, "train", args.optimizer, time_limit_seconds=args.time_limit
+            model,
+            args.batch,
+            args.steps,
+            "train",
+            args.optimizer,
+            time_limit_seconds=args.time_limit,
+            allocator=args.allocator,
         )
         reports.append(r)
         rows.append(row(r))

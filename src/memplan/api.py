@@ -18,8 +18,10 @@ from typing import Any
 from torch.utils import _pytree as pytree
 
 import torch
+from memplan.errors import MemplanError
 from memplan.pipeline import MemoryPlan, make_plan
 from memplan.torch.capture import Capture, capture_infer_step, capture_train_step
+from memplan.torch.replay import ReplayedStep
 from memplan.torch.runtime import Plan, StepRunner, allocator_tensors, optimizer_update_groups
 
 
@@ -31,11 +33,15 @@ def optimize(
     *,
     time_limit_seconds: float = 10.0,
     reorder: bool = True,
+    allocator: str = "views",
 ) -> tuple[Capture, MemoryPlan]:
     """Capture and plan one step; returns the capture and the plan (with its report).
 
     With an optimizer and a loss function the step is a training step on
     ``example_batch = (inputs, target)``; without, an inference step on ``example_batch``.
+    ``allocator="views"`` keeps the outputs of ops without an arena kernel out of the arena
+    (the allocator holds them); ``"replay"`` plans one pool, as the planned allocator serves
+    every allocation.
     """
     if optimizer is None:
         capture = capture_infer_step(model, example_batch)
@@ -49,9 +55,23 @@ def optimize(
         time_limit_seconds=time_limit_seconds,
         reorder=reorder,
         atomic_groups=groups,
-        allocator_tensors=allocator_tensors(capture),
+        allocator_tensors=allocator_tensors(capture) if allocator == "views" else frozenset(),
     )
     return capture, plan
+
+
+ALLOCATORS = ("auto", "replay", "views")
+
+
+def resolve_allocator(name: str) -> str:
+    """ "auto" is "replay" where the planned CPU allocator builds here, else "views"."""
+    if name not in ALLOCATORS:
+        raise MemplanError(f"unknown allocator {name!r}; choose one of {', '.join(ALLOCATORS)}")
+    if name != "auto":
+        return name
+    from memplan.torch import allocator
+
+    return "replay" if allocator.available() else "views"
 
 
 class CompiledStep:
@@ -65,19 +85,24 @@ class CompiledStep:
         *,
         time_limit_seconds: float = 10.0,
         reorder: bool = True,
+        allocator: str = "auto",
     ) -> None:
+        on_cpu = all(t.device.type == "cpu" for t in [*model.parameters(), *model.buffers()])
+        if allocator == "replay" and not on_cpu:
+            raise MemplanError("allocator='replay' serves CPU memory only; use allocator='views' on this device")
+        self.allocator = resolve_allocator(allocator) if on_cpu else "views"
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.time_limit_seconds = time_limit_seconds
         self.reorder = reorder
-        self.runners: dict[tuple, StepRunner] = {}
+        self.runners: dict[tuple, StepRunner | ReplayedStep] = {}
         self.plans: dict[tuple, MemoryPlan] = {}
 
     def __call__(self, batch: Any) -> Any:
         return self.runner_for(batch)(batch)
 
-    def runner_for(self, batch: Any) -> StepRunner:
+    def runner_for(self, batch: Any) -> StepRunner | ReplayedStep:
         """The runner for this batch's shapes, planned on first use."""
         key = shape_key(batch)
         if key not in self.runners:
@@ -88,11 +113,16 @@ class CompiledStep:
                 batch,
                 time_limit_seconds=self.time_limit_seconds,
                 reorder=self.reorder,
+                allocator=self.allocator,
             )
             self.plans[key] = plan
-            self.runners[key] = StepRunner(
-                capture, Plan(tuple(plan.order), plan.offsets, plan.arena_bytes), self.model, self.optimizer
-            )
+            if self.allocator == "replay":
+                runner = StepRunner(capture, Plan(tuple(plan.order)), self.model, self.optimizer)
+                self.runners[key] = ReplayedStep(runner, time_limit_seconds=self.time_limit_seconds)
+            else:
+                self.runners[key] = StepRunner(
+                    capture, Plan(tuple(plan.order), plan.offsets, plan.arena_bytes), self.model, self.optimizer
+                )
         return self.runners[key]
 
     @property
@@ -117,16 +147,21 @@ def compile_step(
     *,
     time_limit_seconds: float = 10.0,
     reorder: bool = True,
+    allocator: str = "auto",
 ) -> CompiledStep:
     """Plan ``loss = loss_fn(model(inputs), target); loss.backward(); optimizer.step();
     optimizer.zero_grad(set_to_none=True)`` and return it as a callable ``step(batch)``."""
-    step = CompiledStep(model, optimizer, loss_fn, time_limit_seconds=time_limit_seconds, reorder=reorder)
+    step = CompiledStep(
+        model, optimizer, loss_fn, time_limit_seconds=time_limit_seconds, reorder=reorder, allocator=allocator
+    )
     step.runner_for(example_batch)
     return step
 
 
-def compile_inference(model: torch.nn.Module, example_inputs: Any, *, time_limit_seconds: float = 10.0) -> CompiledStep:
+def compile_inference(
+    model: torch.nn.Module, example_inputs: Any, *, time_limit_seconds: float = 10.0, allocator: str = "auto"
+) -> CompiledStep:
     """Plan ``with torch.no_grad(): model(inputs)`` and return it as a callable."""
-    step = CompiledStep(model, None, None, time_limit_seconds=time_limit_seconds)
+    step = CompiledStep(model, None, None, time_limit_seconds=time_limit_seconds, allocator=allocator)
     step.runner_for(example_inputs)
     return step

@@ -9,16 +9,18 @@ import pytest
 import memplan
 import torch
 from memplan.errors import MemplanError
+from memplan.torch.allocator import available as allocator_available
 from memplan.torch.compare import compare_with_eager
 from memplan.torch.zoo import build_workload, make_optimizer
 
+CASES = [("mlp", 8, "adam"), ("vgg16", 4, "sgd"), ("gpt2-2l", 1, "adamw"), ("resnet50", 2, "sgd")]
 
-@pytest.mark.parametrize(
-    ("model", "batch", "optimizer"),
-    [("mlp", 8, "adam"), ("vgg16", 4, "sgd"), ("gpt2-2l", 1, "adamw"), ("resnet50", 2, "sgd")],
-)
-def test_planned_training_equals_eager_exactly(model, batch, optimizer):
-    report = compare_with_eager(model, batch, steps=3, optimizer_name=optimizer, time_limit_seconds=2)
+
+@pytest.mark.parametrize(("model", "batch", "optimizer"), CASES)
+def test_arena_views_train_exactly_like_eager(model, batch, optimizer):
+    report = compare_with_eager(
+        model, batch, steps=3, optimizer_name=optimizer, time_limit_seconds=2, allocator="views"
+    )
     assert report["max_abs_diff"] == 0.0
     m, plan = report["memplan"], report["plan"]
     # the plan: persistent + arena + what the allocator holds (ops without an out= kernel), and the
@@ -26,6 +28,23 @@ def test_planned_training_equals_eager_exactly(model, batch, optimizer):
     assert plan["planned_peak_bytes"] == plan["persistent_bytes"] + plan["arena_bytes"] + plan["allocator_peak_bytes"]
     assert m["planned_peak_bytes"] == plan["planned_peak_bytes"] + m["max_scratch_bytes"]
     assert m["fallback_bytes"] == plan["allocator_tensor_bytes"]
+    assert m["peak_bytes"] <= m["planned_peak_bytes"] * 1.05, report
+    assert m["peak_bytes"] < report["eager"]["peak_bytes"], report
+
+
+@pytest.mark.skipif(not allocator_available(), reason="no C++ compiler here: the planned allocator cannot be built")
+@pytest.mark.parametrize(("model", "batch", "optimizer"), CASES)
+def test_planned_allocator_trains_exactly_like_eager(model, batch, optimizer):
+    report = compare_with_eager(
+        model, batch, steps=3, optimizer_name=optimizer, time_limit_seconds=2, allocator="replay"
+    )
+    assert report["allocator"] == "replay"
+    assert report["max_abs_diff"] == 0.0
+    m = report["memplan"]
+    assert m["diverged_at"] is None and m["blocked_allocations"] == 0, report
+    # every allocation the step frees is served from the arena: only the returned loss is not
+    assert m["fallback_bytes"] <= 1024, report
+    assert m["arena_bytes"] == m["arena_lower_bound_bytes"], report
     assert m["peak_bytes"] <= m["planned_peak_bytes"] * 1.05, report
     assert m["peak_bytes"] < report["eager"]["peak_bytes"], report
 

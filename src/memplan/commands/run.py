@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Annotated, Any
 
 import typer
@@ -10,6 +11,12 @@ from rich.table import Table
 
 from memplan.commands.options import BatchSize, JsonOut, Mode, ModeOption, OptimizerName, OptimizerOption, write_json
 from memplan.report.format import format_bytes
+
+
+class Allocator(str, Enum):
+    auto = "auto"
+    replay = "replay"
+    views = "views"
 
 
 def print_plan(plan: dict[str, Any], console: Console) -> None:
@@ -41,11 +48,18 @@ def print_run(report: dict[str, Any], console: Console) -> None:
     table.add_column("eager PyTorch", justify="right")
     table.add_row("measured peak", format_bytes(m["peak_bytes"]), format_bytes(e["peak_bytes"]))
     table.add_row("step seconds (median)", f"{m['step_seconds']:.3f}", f"{e['step_seconds']:.3f}")
+    table.add_row("planned peak (persistent + arena)", format_bytes(m["planned_peak_bytes"]), "")
     table.add_row("arena", format_bytes(m["arena_bytes"]), "")
     table.add_row("persistent (params, state, batch)", format_bytes(m["persistent_bytes"]), "")
     table.add_row("left to the allocator", format_bytes(m["fallback_bytes"]), "")
-    table.add_row("computed then copied into the arena", format_bytes(m["copied_bytes"]), "")
+    if report.get("allocator") == "views":
+        table.add_row("computed then copied into the arena", format_bytes(m["copied_bytes"]), "")
     console.print(table)
+    if report.get("allocator") == "replay":
+        console.print(
+            f"planned allocator: {m['allocations']} allocations per step, {m['fallback_allocations']} not from the "
+            f"arena; arena {m['arena_method']} (lower bound {format_bytes(m['arena_lower_bound_bytes'])})"
+        )
     verdict = "identical" if report["max_abs_diff"] == 0.0 else f"DIFFER by up to {report['max_abs_diff']:.3g}"
     console.print(f"loss and parameters after every step: {verdict} (max abs diff {report['max_abs_diff']})")
 
@@ -57,12 +71,22 @@ def run(
     mode: ModeOption = Mode.train,
     optimizer: OptimizerOption = OptimizerName.sgd,
     time_limit: Annotated[float, typer.Option("--time-limit", min=0.1, help="Solver seconds per stage.")] = 10.0,
+    allocator: Annotated[
+        Allocator,
+        typer.Option(
+            "--allocator",
+            help="replay: every allocation at a planned offset (profile-guided, needs a C++ compiler); "
+            "views: out= kernels into arena views, the rest to PyTorch's allocator; auto: replay where it builds.",
+        ),
+    ] = Allocator.auto,
     json_path: JsonOut = None,
 ) -> None:
     """Train K steps with memplan and with eager PyTorch from the same state and seed."""
     from memplan.torch.compare import compare_with_eager
 
-    report = compare_with_eager(model, batch_size, steps, mode.value, optimizer.value, time_limit_seconds=time_limit)
+    report = compare_with_eager(
+        model, batch_size, steps, mode.value, optimizer.value, time_limit_seconds=time_limit, allocator=allocator.value
+    )
     print_run(report, Console())
     write_json(json_path, report)
     if report["max_abs_diff"] != 0.0:

@@ -10,8 +10,12 @@ from typing import Any
 
 import torch
 from memplan.api import CompiledStep
+from memplan.errors import MemplanError
+from memplan.pipeline import MemoryPlan
 from memplan.torch.capture import call_model
 from memplan.torch.measure import allocator_peak_bytes, optimizer_state_tensors, resident_bytes
+from memplan.torch.replay import MAX_RECORDINGS, ReplayedStep
+from memplan.torch.runtime import StepRunner
 from memplan.torch.zoo import Workload, build_workload, make_optimizer
 
 
@@ -59,6 +63,7 @@ def compare_with_eager(
     *,
     time_limit_seconds: float = 10.0,
     seed: int = 0,
+    allocator: str = "auto",
 ) -> dict[str, Any]:
     """The report of ``memplan run``: numerics, measured peak bytes and step seconds of both."""
     w = build_workload(model_name, batch_size, seed=seed)
@@ -72,15 +77,24 @@ def compare_with_eager(
     batch = (w.inputs, w.target) if train else w.inputs
 
     start = time.perf_counter()
-    step = CompiledStep(memplan_model, memplan_opt, w.loss_fn if train else None, time_limit_seconds=time_limit_seconds)
+    step = CompiledStep(
+        memplan_model,
+        memplan_opt,
+        w.loss_fn if train else None,
+        time_limit_seconds=time_limit_seconds,
+        allocator=allocator,
+    )
     runner = step.runner_for(batch)
     plan_seconds = time.perf_counter() - start
 
     eager, memplan = Side(step_seconds=[]), Side(step_seconds=[])
     max_diff = 0.0
-    for k in range(steps + 1):
+    replayed = getattr(runner, "replaying", True)
+    warmup = 0 if replayed else MAX_RECORDINGS  # recording steps until the planned allocator replays
+    k, measure = 0, False
+    while not measure:
         # the last step runs under the profiler, in steady state, to measure memory
-        measure = k == steps
+        measure = k >= steps and (getattr(runner, "replaying", True) or k >= steps + warmup)
         torch.manual_seed(seed + 1000 + k)
         out_eager, peak_eager, t_eager = _run(lambda: _eager_step(w, eager_model, eager_opt), measure)
         torch.manual_seed(seed + 1000 + k)
@@ -92,34 +106,67 @@ def compare_with_eager(
             memplan.step_seconds.append(t_memplan)
         max_diff = max(max_diff, _max_abs_diff(out_eager, out_memplan))
         max_diff = max(max_diff, _max_abs_diff(_state(eager_model), _state(memplan_model)))
+        k += 1
 
     resident_eager = resident_bytes(_state(eager_model), optimizer_state_tensors(eager_opt) if train else [], batch)
     resident_memplan = resident_bytes(
         _state(memplan_model), optimizer_state_tensors(memplan_opt) if train else [], batch, runner.arena
     )
     plan = step.plans[next(iter(step.plans))]
+    memplan_report = _runner_report(runner, plan)
     return {
         "model": model_name,
         "batch_size": batch_size,
         "mode": mode,
         "optimizer": optimizer_name if train else None,
         "steps": steps,
+        "compared_steps": k,  # with the recording steps the planned allocator needed
+        "allocator": step.allocator,
         "max_abs_diff": max_diff,
         "plan_seconds": round(plan_seconds, 3),
         "plan": plan.report,
         "memplan": {
             "peak_bytes": resident_memplan + memplan.peak_bytes,
-            "arena_bytes": plan.arena_bytes,
             "persistent_bytes": plan.report["persistent_bytes"],
-            "fallback_bytes": runner.stats.allocator_bytes,
-            "copied_bytes": runner.stats.copied_bytes,
-            "max_scratch_bytes": runner.stats.max_scratch_bytes,
-            "planned_peak_bytes": plan.report["planned_peak_bytes"] + runner.stats.max_scratch_bytes,
-            "out_bytes": runner.stats.out_bytes,
-            "copied_ops": dict(sorted(runner.stats.copied_ops.items(), key=lambda kv: -kv[1])),
+            **memplan_report,
             "step_seconds": memplan.median_seconds(),
         },
         "eager": {"peak_bytes": resident_eager + eager.peak_bytes, "step_seconds": eager.median_seconds()},
+    }
+
+
+def _runner_report(runner: StepRunner | ReplayedStep, plan: MemoryPlan) -> dict[str, Any]:
+    """What the plan claims and where the step's bytes went, for either allocator."""
+    if isinstance(runner, ReplayedStep):
+        stats, placed = runner.last_stats, runner.placement
+        if stats is None or placed is None:
+            raise MemplanError("the planned allocator never replayed the step; run more steps")
+        return {
+            "arena_bytes": placed.arena_bytes,
+            "graph_arena_bytes": plan.arena_bytes,
+            "fallback_bytes": stats.fallback_bytes,
+            "served_bytes": stats.served_bytes,
+            "allocations": stats.allocations,
+            "fallback_allocations": stats.fallback,
+            "blocked_allocations": stats.blocked,
+            "diverged_at": stats.diverged_at,
+            "arena_lower_bound_bytes": placed.lower_bound_bytes,
+            "arena_method": placed.method,
+            "planned_peak_bytes": plan.report["persistent_bytes"] + placed.arena_bytes,
+            "graph_planned_peak_bytes": plan.report["planned_peak_bytes"],
+            "copied_bytes": 0,
+            "max_scratch_bytes": 0,
+            "copied_ops": {},
+        }
+    return {
+        "arena_bytes": plan.arena_bytes,
+        "fallback_bytes": runner.stats.allocator_bytes,
+        "copied_bytes": runner.stats.copied_bytes,
+        "max_scratch_bytes": runner.stats.max_scratch_bytes,
+        "planned_peak_bytes": plan.report["planned_peak_bytes"] + runner.stats.max_scratch_bytes,
+        "graph_planned_peak_bytes": plan.report["planned_peak_bytes"],
+        "out_bytes": runner.stats.out_bytes,
+        "copied_ops": dict(sorted(runner.stats.copied_ops.items(), key=lambda kv: -kv[1])),
     }
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch.fx
@@ -50,6 +50,7 @@ class RunStats:
     copied_bytes: int = 0
     allocator_bytes: int = 0
     max_scratch_bytes: int = 0  # the most one op held outside the arena while it ran (see _scratch_bytes)
+    inplace_bytes: int = 0  # results written into an input storage that died at their op
     copied_ops: dict[str, int] = field(default_factory=dict)
 
 
@@ -69,6 +70,8 @@ class _Call:
     strategy: str  # "out", "kernel" (ARENA_KERNELS), "copy", "empty", "plain"
     out_op: Any = None
     out_names: tuple[str, ...] = ()
+    fetch: Callable[[dict[str, Any]], Any] | None = None  # env -> (args, kwargs), see _fetcher
+    inplace_arg: int = -1  # "inplace": the argument whose dying storage the result is written into
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,8 @@ class StepRunner:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         device: torch.device | str = "cpu",
+        *,
+        reuse_dying_inputs: bool = True,
     ) -> None:
         self.capture = capture
         self.plan = plan
@@ -109,6 +114,9 @@ class StepRunner:
         self.arena = torch.empty(plan.arena_bytes, dtype=torch.uint8, device=device)
         self.instructions = self._compile()
         self.last_use = self._last_uses()
+        self._frees = self._free_schedule()
+        if not plan.offsets and reuse_dying_inputs:
+            self.instructions = self._write_into_dying_inputs()
         self.stats = RunStats()
         self._params = dict(model.named_parameters())
         self._buffers = dict(model.named_buffers())
@@ -143,6 +151,10 @@ class StepRunner:
         return instructions
 
     def _call(self, position: int, op_id: int) -> _Call:
+        call = self._strategy(position, op_id)
+        return replace(call, fetch=_fetcher((call.node.args, call.node.kwargs)))
+
+    def _strategy(self, position: int, op_id: int) -> _Call:
         node = self.nodes[self.capture.node_of_op[op_id]]
         fresh = tuple(self._fresh_outputs(op_id, node))
         planned = [o for o in fresh if o.offset is not None]
@@ -180,6 +192,51 @@ class StepRunner:
             last[n.name] = len(self.plan.order)
         return last
 
+    def _write_into_dying_inputs(self) -> list[_Call | _Update]:
+        """Chen et al. 4.1's in-place sharing: an elementwise op whose input storage dies at it
+        (no later reader, not a parameter, state or batch storage) writes its result into that
+        storage through its out= kernel, so the step needs one buffer less there. The kernel is
+        the same, so the numbers are too."""
+        storage_last = self._storage_last_uses()
+        rewritten: list[_Call | _Update] = []
+        for ins in self.instructions:
+            if isinstance(ins, _Call) and ins.strategy == "plain":
+                index = self._dying_input(ins, storage_last)
+                if index is not None:
+                    out_op, names = _real_out_variant(ins.node.target, 1)
+                    ins = replace(ins, strategy="inplace", out_op=out_op, out_names=names, inplace_arg=index)
+            rewritten.append(ins)
+        return rewritten
+
+    def _storage_last_uses(self) -> dict[int, int]:
+        """Storage key -> the last position at which any value on it is read."""
+        last: dict[int, int] = {}
+        for name, position in self.last_use.items():
+            for leaf in _tensor_leaves(self.nodes[name].meta.get("val")):
+                key = _storage_key(leaf)
+                last[key] = max(last.get(key, -1), position)
+        return last
+
+    def _dying_input(self, ins: _Call, storage_last: dict[int, int]) -> int | None:
+        node = ins.node
+        out = node.meta.get("val")
+        if _op_name(node) not in INPLACE_ELEMENTWISE or not isinstance(out, torch.Tensor) or len(ins.fresh) != 1:
+            return None
+        if _real_out_variant(node.target, 1)[0] is None:
+            return None
+        keys = [_storage_key(v) for a in _arg_nodes(node) for v in _tensor_leaves(a.meta.get("val"))]
+        for index, arg in enumerate(node.args):
+            value = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+            if not isinstance(value, torch.Tensor) or not _same_dense_layout(value, out):
+                continue
+            key = _storage_key(value)
+            t = self.capture.tensor_of_storage.get(key)
+            if t is None or self.graph.tensors[t].persistent or storage_last.get(key) != ins.position:
+                continue
+            if keys.count(key) == sum(1 for a in node.args if a is arg):  # read through no other view
+                return index
+        return None
+
     # ------------------------------------------------------------------ run
     @torch.no_grad()
     def __call__(self, batch: Any) -> Any:
@@ -187,10 +244,19 @@ class StepRunner:
         env: dict[str, Any] = {}
         self._bind_inputs(env, batch)
         self.stats = RunStats()
-        frees = self._free_schedule()
+        frees = self._frees
+        plain = not self.plan.offsets  # the planned allocator serves addresses: ops run as they are
         for ins in self.instructions:
             if isinstance(ins, _Update):
                 self._update(ins, env)
+            elif plain:
+                args, kwargs = ins.fetch(env)
+                if ins.strategy == "inplace":
+                    result = ins.out_op(*args, **kwargs, **{ins.out_names[0]: args[ins.inplace_arg]})
+                    self.stats.inplace_bytes += result.untyped_storage().nbytes()
+                else:
+                    result = ins.node.target(*args, **kwargs)
+                _store(ins.node, result, env)
             else:
                 _store(ins.node, self._execute(ins, env), env)
             for name in frees.get(ins.position, ()):
@@ -240,7 +306,7 @@ class StepRunner:
         raise UnsupportedOp(f"the step uses a constant tensor {node.target} whose value capture could not keep")
 
     def _execute(self, ins: _Call, env: dict[str, Any]) -> Any:
-        args, kwargs = _resolve((ins.node.args, ins.node.kwargs), env)
+        args, kwargs = ins.fetch(env)
         return self._place_call(ins, ins.node.target, args, kwargs)
 
     def _place_call(self, ins: _Call, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -292,7 +358,10 @@ class StepRunner:
         param.grad = grad
         try:
             self.optimizer.param_groups = [{**group, "params": [param]}]
-            with _ReplayIntoArena(self, ins.traced):
+            if self.plan.offsets:
+                with _ReplayIntoArena(self, ins.traced):
+                    self.optimizer.step()
+            else:  # nothing planned into arena views (the planned allocator serves addresses)
                 self.optimizer.step()
         finally:
             self.optimizer.param_groups = saved
@@ -469,6 +538,51 @@ ARENA_KERNELS = {
     ),
 }
 
+# Elementwise TensorIterator ops: their out= kernel may write over an input of the same layout
+# (full overlap is allowed), each element read before it is written.
+INPLACE_ELEMENTWISE = frozenset(
+    {
+        "aten::add.Tensor",
+        "aten::sub.Tensor",
+        "aten::mul.Tensor",
+        "aten::div.Tensor",
+        "aten::threshold_backward",
+        "aten::sigmoid_backward",
+        "aten::tanh_backward",
+        "aten::gelu_backward",
+        "aten::silu_backward",
+        "aten::hardtanh_backward",
+        "aten::hardswish_backward",
+        "aten::gelu",
+        "aten::silu",
+        "aten::sigmoid",
+        "aten::tanh",
+        "aten::hardtanh",
+        "aten::hardswish",
+        "aten::clamp_min",
+        "aten::neg",
+        "aten::where.self",
+    }
+)
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    schema = node.target._schema
+    return f"{schema.name}.{schema.overload_name}" if schema.overload_name else schema.name
+
+
+def _same_dense_layout(value: torch.Tensor, out: torch.Tensor) -> bool:
+    """``value`` covers its whole storage with ``out``'s dtype, shape and strides."""
+    return (
+        value.dtype == out.dtype
+        and value.shape == out.shape
+        and value.stride() == out.stride()
+        and value.storage_offset() == 0
+        and value.is_contiguous()
+        and value.untyped_storage().nbytes() == out.untyped_storage().nbytes()
+    )
+
+
 _WEIGHT_ARGUMENT = {"aten::convolution": 1, "aten::convolution_backward": 2}
 
 
@@ -520,6 +634,29 @@ def _store(node: torch.fx.Node, value: Any, env: dict[str, Any]) -> None:
 
 def _arg_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.fx.Node)]
+
+
+def _fetcher(value: Any) -> Callable[[dict[str, Any]], Any]:
+    """A function ``env -> value`` with every fx node in ``value`` replaced by its result, built
+    once per op so that running a step does not walk argument trees (as :func:`_resolve` does)."""
+    if isinstance(value, torch.fx.Node):
+        node = value
+        if node.target is operator.getitem:
+            return lambda env: _resolve(node, env)
+        name = node.name
+        return lambda env: env[name]
+    if isinstance(value, (list, tuple)) and _has_node(value):
+        parts = [_fetcher(v) for v in value]
+        kind = tuple if isinstance(value, tuple) else list
+        return lambda env: kind([part(env) for part in parts])
+    if isinstance(value, dict) and _has_node(value):
+        items = [(k, _fetcher(v)) for k, v in value.items()]
+        return lambda env: {k: part(env) for k, part in items}
+    return lambda env: value
+
+
+def _has_node(value: Any) -> bool:
+    return any(isinstance(leaf, torch.fx.Node) for leaf in pytree.tree_leaves(value))
 
 
 def _resolve(value: Any, env: dict[str, Any]) -> Any:

@@ -1,0 +1,122 @@
+"""Run a step with every allocation at a planned offset: profile-guided allocation
+(Sekiyama et al. 3-4) on top of the planned order (OLLA).
+
+The step (a :class:`memplan.torch.runtime.StepRunner` running the optimised order) is recorded
+until two consecutive recordings request the same allocations (the first steps create the
+optimizer's state lazily), the offsets of every allocation the step frees are solved as one
+placement problem (lifetimes in event time, ``memplan.placement``), validated, and later steps
+are replayed with each allocation served at its offset by the planned CPU allocator
+(``memplan.torch.allocator``). Kernels write their outputs where they would anyway, so no
+output is copied and oneDNN's scratch lands in the arena too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from memplan.errors import MemplanError
+from memplan.placement import PlacementProblem, place, validate_placement
+from memplan.torch import allocator
+from memplan.torch.allocator import AllocationTrace, ReplayPlan, ReplayStats
+
+MAX_RECORDINGS = 4
+
+
+@dataclass(frozen=True)
+class ArenaPlacement:
+    """The solved arena of a recorded step."""
+
+    arena_bytes: int
+    lower_bound_bytes: int
+    method: str
+    status: str
+    seconds: float
+    allocations: int
+    planned_allocations: int  # freed within the step, so placed in the arena
+
+
+def placement_problem(trace: AllocationTrace) -> tuple[PlacementProblem, list[int]]:
+    """The trace's freed allocations as a placement problem (OLLA eq. 6 on event time), with
+    the allocation index of each buffer."""
+    indices = [k for k in range(trace.num_allocations) if trace.free_at[k] is not None]
+    problem = PlacementProblem.from_intervals(
+        [trace.sizes[k] for k in indices],
+        [(trace.alloc_at[k], trace.free_at[k]) for k in indices],
+        alignment_bytes=allocator.ALIGNMENT_BYTES,
+    )
+    return problem, indices
+
+
+class ReplayedStep:
+    """Wraps ``run(batch)``: records, plans, then replays every allocation at its offset.
+
+    ``arena`` is the preallocated arena (empty until planned); ``last_stats`` says what the
+    latest replayed step did; a step whose allocations differ from the recording is still
+    correct (the rest goes to the allocator) and is recorded again next time.
+    """
+
+    def __init__(self, run: Callable[[Any], Any], *, time_limit_seconds: float = 5.0) -> None:
+        allocator.load()
+        self.run = run
+        self.time_limit_seconds = time_limit_seconds
+        self.arena = torch.empty(0, dtype=torch.uint8)
+        self.plan: ReplayPlan | None = None
+        self.placement: ArenaPlacement | None = None
+        self.last_stats: ReplayStats | None = None
+        self.recordings = 0
+        self._previous: AllocationTrace | None = None
+
+    def __call__(self, batch: Any) -> Any:
+        if self.plan is None:
+            return self._record(batch)
+        allocator.begin_replay(self.plan, self.arena)
+        try:
+            result = self.run(batch)
+        finally:
+            stats = allocator.end_replay()
+        self.last_stats = stats
+        if stats.arena_alive_after:
+            raise MemplanError(
+                f"{stats.arena_alive_after} arena allocation(s) outlived the step, which the recording did not show; "
+                "keep no tensor of the step alive across steps, or run with allocator='views'"
+            )
+        if stats.diverged_at is not None:
+            self.plan, self._previous, self.recordings = None, None, 0  # record again
+        return result
+
+    @property
+    def replaying(self) -> bool:
+        return self.plan is not None
+
+    def _record(self, batch: Any) -> Any:
+        allocator.begin_record()
+        try:
+            result = self.run(batch)
+        finally:
+            trace = allocator.end_record()
+        self.recordings += 1
+        steady = self._previous is not None and self._previous.sizes == trace.sizes
+        if steady or self.recordings >= MAX_RECORDINGS:
+            self._plan(trace)
+        self._previous = trace
+        return result
+
+    def _plan(self, trace: AllocationTrace) -> None:
+        problem, indices = placement_problem(trace)
+        solved = place(problem, time_limit_seconds=self.time_limit_seconds)
+        validate_placement(problem, solved)
+        offsets = {k: solved.offsets_bytes[i] for i, k in enumerate(indices)}
+        self.arena = torch.empty(solved.arena_bytes, dtype=torch.uint8)
+        self.plan = allocator.replay_plan(trace, offsets, solved.arena_bytes)
+        self.placement = ArenaPlacement(
+            solved.arena_bytes,
+            problem.lower_bound_bytes,
+            solved.method,
+            solved.status,
+            solved.seconds,
+            trace.num_allocations,
+            len(indices),
+        )

@@ -1,0 +1,121 @@
+"""The planned CPU allocator: record, place, replay; unsafe requests fall back, never overlap."""
+
+from __future__ import annotations
+
+import pytest
+
+import torch
+from memplan.placement import validate_placement
+from memplan.torch import allocator
+from memplan.torch.replay import ReplayedStep, placement_problem
+
+pytestmark = pytest.mark.skipif(
+    not allocator.available(), reason="no C++ compiler here: the planned allocator cannot be built"
+)
+
+
+def chain(x: torch.Tensor, keep: list | None = None) -> torch.Tensor:
+    y = x * 2
+    z = torch.relu(y) + 1
+    if keep is not None:
+        keep.append(y)  # lives longer than it did when recorded
+    del y
+    w = z @ z.T
+    return w.sum()
+
+
+def record(fn, *args):
+    allocator.begin_record()
+    try:
+        result = fn(*args)
+    finally:
+        trace = allocator.end_record()
+    return result, trace
+
+
+def stacked_plan(trace: allocator.AllocationTrace) -> allocator.ReplayPlan:
+    """Every freed allocation at an address of its own: valid whatever the lifetimes."""
+    offsets, top = {}, 0
+    for k, end in enumerate(trace.free_at):
+        if end is not None:
+            offsets[k], top = top, top + allocator.aligned(trace.sizes[k])
+    return allocator.replay_plan(trace, offsets, top)
+
+
+def test_trace_records_every_allocation_and_what_escaped():
+    x = torch.randn(64, 64)
+    _, trace = record(chain, x)
+    assert trace.num_allocations >= 4
+    assert 64 * 64 * 4 in trace.sizes
+    freed = [k for k, end in enumerate(trace.free_at) if end is not None]
+    assert all(trace.alloc_at[k] < trace.free_at[k] for k in freed)
+    assert len(freed) < trace.num_allocations  # the result outlives the call
+
+
+def test_replay_serves_the_arena_and_gives_the_same_numbers():
+    x = torch.randn(128, 128)
+    expected, trace = record(chain, x)
+    problem, indices = placement_problem(trace)
+    from memplan.placement import place
+
+    solved = place(problem, time_limit_seconds=2)
+    validate_placement(problem, solved)
+    offsets = {k: solved.offsets_bytes[i] for i, k in enumerate(indices)}
+    plan = allocator.replay_plan(trace, offsets, solved.arena_bytes)
+    arena = torch.empty(plan.arena_bytes, dtype=torch.uint8)
+    allocator.begin_replay(plan, arena)
+    try:
+        got = chain(x)
+    finally:
+        stats = allocator.end_replay()
+    assert torch.equal(got, expected)
+    assert stats.served == len(indices) and stats.diverged_at is None and stats.arena_alive_after == 0
+    assert solved.arena_bytes == trace.peak_live_bytes()
+
+
+def test_a_tensor_kept_longer_than_recorded_is_never_overwritten():
+    x = torch.randn(128, 128)
+    expected, trace = record(chain, x)
+    problem, indices = placement_problem(trace)
+    from memplan.placement import place
+
+    solved = place(problem, time_limit_seconds=2)
+    plan = allocator.replay_plan(trace, {k: solved.offsets_bytes[i] for i, k in enumerate(indices)}, solved.arena_bytes)
+    arena = torch.empty(plan.arena_bytes, dtype=torch.uint8)
+    keep: list[torch.Tensor] = []
+    allocator.begin_replay(plan, arena)
+    try:
+        got = chain(x, keep)
+        snapshot = keep[0].clone()  # whatever came later must not have written over it
+    finally:
+        stats = allocator.end_replay()
+    assert torch.equal(got, expected)
+    assert torch.equal(keep[0], x * 2) and torch.equal(snapshot, x * 2)
+    assert stats.blocked >= 1 or stats.fallback >= 1
+    assert stats.arena_alive_after == 1
+    keep.clear()
+
+
+def test_another_allocation_sequence_diverges_to_the_base_allocator():
+    x = torch.randn(64, 64)
+    _, trace = record(chain, x)
+    plan = stacked_plan(trace)
+    arena = torch.empty(plan.arena_bytes, dtype=torch.uint8)
+    other = torch.randn(32, 32)
+    allocator.begin_replay(plan, arena)
+    try:
+        got = chain(other)
+    finally:
+        stats = allocator.end_replay()
+    assert torch.equal(got, chain(other))
+    assert stats.diverged_at is not None and stats.fallback >= 1
+
+
+def test_replayed_step_records_until_steady_then_replays():
+    x = torch.randn(96, 96)
+    step = ReplayedStep(lambda batch: chain(batch).clone())
+    results = [step(x) for _ in range(4)]
+    assert step.replaying and step.last_stats is not None
+    assert step.last_stats.served > 0 and step.last_stats.diverged_at is None
+    assert all(torch.equal(r, results[0]) for r in results)
+    assert step.placement is not None and step.placement.arena_bytes == step.placement.lower_bound_bytes
