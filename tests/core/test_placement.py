@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -293,6 +294,24 @@ def test_peak_anchored_placements_are_valid_and_tile_the_peak(p: PlacementProble
         validate_placement(p, placement)
         live = [b for b, (s, e) in enumerate(p.lifetimes or ()) if s <= peak_time < e]
         assert all(placement.offsets_bytes[b] + p.padded_sizes_bytes[b] <= lower_bound_bytes(p) for b in live)
+
+
+def test_exact_honours_its_time_limit_on_a_hard_instance() -> None:
+    inst = adversarial_instance(1, 300)
+    t0 = time.perf_counter()
+    result = solve_exact(inst.problem, 1.0, workers=1)
+    elapsed = time.perf_counter() - t0
+    validate_placement(inst.problem, result)
+    assert result.seconds <= 2.0 and elapsed <= 2.0
+    assert result.arena_bytes <= portfolio(inst.problem).arena_bytes
+
+
+def test_peak_anchored_past_its_deadline_keeps_one_greedy_order() -> None:
+    p = adversarial_instance(0, 40, num_steps=60, height_units=40).problem
+    anchoring = peak_anchored(p, 1, seconds=1.0, workers=1, deadline=time.perf_counter())
+    assert len(anchoring.placements) == 1 or anchoring.bound_unreachable
+    for placement in anchoring.placements:
+        validate_placement(p, placement)
 
 
 def test_load_profile_peaks_at_the_lower_bound() -> None:

@@ -13,7 +13,10 @@ which shrinks the model; a second solve without it can prove optimality or infea
 Both are hinted with the best placement so far, and the result is never worse than it.
 Before them, on interval problems, :func:`memplan.placement.repair.reach_bound` spends up to
 :data:`REPAIR_SHARE` of the time on peak-anchored packing and top-band repair at capacity =
-lower bound, which closes most near-misses in a second or two.
+lower bound, which closes most near-misses in a second or two. Every stage is budgeted by
+the wall clock from the call's start (portfolio and model building included): a stage gets
+the time really left, and one with too little left is skipped, so ``time_limit_seconds`` is
+honoured to within a CP-SAT model load.
 """
 
 from __future__ import annotations
@@ -33,6 +36,11 @@ from memplan.solvers import SolveStatus, solve_cp_sat
 
 # Share of the time limit given to memplan.placement.repair before the CP-SAT solves.
 REPAIR_SHARE = 0.7
+# A CP-SAT stage is skipped when fewer seconds than this are left: loading a model of
+# thousands of rectangles alone takes a good part of a second.
+MIN_STAGE_SECONDS = 0.25
+# The pyramid solve runs only with this much time left.
+PYRAMID_MIN_SECONDS = 1.0
 
 
 @dataclass
@@ -131,6 +139,7 @@ def _solve(
     seconds: float,
     workers: int,
 ) -> tuple[tuple[int, ...] | None, SolveStatus]:
+    """One CP-SAT solve of eq. 6-8 and 15 with the blocks of ``preset`` fixed, hinted with ``best``."""
     lower_units = -(-problem.lower_bound_bytes // blocks.unit_bytes)
     m = _build(problem, blocks, upper_units, min(lower_units, upper_units), preset)
     hinted = best.arena_bytes <= upper_units * blocks.unit_bytes  # a hint over the capacity misleads
@@ -177,6 +186,7 @@ def solve_exact(
     ``repair=False`` skips :func:`memplan.placement.repair.reach_bound` (CP-SAT alone).
     """
     t0 = time.perf_counter()
+    deadline = t0 + time_limit_seconds
     best = start or portfolio(problem)
     bound = problem.lower_bound_bytes
     if problem.capacity_bytes is not None and bound > problem.capacity_bytes:
@@ -185,8 +195,10 @@ def solve_exact(
         return _restamp(best, best.method, "optimal", t0, bound)
     blocks = make_blocks(problem)
     unit = blocks.unit_bytes
-    if repair and repair_applies(problem):
-        best, unreachable = reach_bound(problem, best, REPAIR_SHARE * time_limit_seconds, workers)
+    repaired = repair and repair_applies(problem)
+    if repaired:
+        budget = min(REPAIR_SHARE * time_limit_seconds, _left(deadline))
+        best, unreachable = reach_bound(problem, best, budget, workers)
         if best.arena_bytes <= bound:
             return _restamp(best, best.method, "optimal", t0, bound)
         bound += unit if unreachable else 0  # a peak window proved that the bound cannot be met
@@ -194,23 +206,32 @@ def solve_exact(
     upper_units = -(-best.arena_bytes // unit) if cap_units is None else min(-(-best.arena_bytes // unit), cap_units)
     method = best.method
     # The pyramid helps minimise (OLLA 4.5) but can exclude every placement within a tight
-    # capacity, so it is only tried when the heuristic already fits.
+    # capacity, so it is only tried when the heuristic already fits. After the repair, whose
+    # peak windows fix a part first more tightly, it is skipped: on thousands of buffers its
+    # constant rectangles make CP-SAT load the model for seconds past the time limit.
     over_capacity = cap_units is not None and best.arena_bytes > cap_units * unit
-    preset = pyramid_offsets(problem, blocks) if pyramid and not over_capacity else {}
-    if preset:
-        remaining = time_limit_seconds - (time.perf_counter() - t0)
-        offsets, _ = _solve(problem, blocks, best, upper_units, preset, 0.3 * remaining, workers)
+    preset = pyramid_offsets(problem, blocks) if pyramid and not over_capacity and not repaired else {}
+    if preset and _left(deadline) >= PYRAMID_MIN_SECONDS:
+        offsets, _ = _solve(problem, blocks, best, upper_units, preset, 0.3 * _left(deadline), workers)
         best, method = _better(problem, best, offsets, method, "cp-sat+pyramid")
         if best.arena_bytes <= bound:
             return _restamp(best, method, "optimal", t0, bound)
-    remaining = max(0.05, time_limit_seconds - (time.perf_counter() - t0))
-    offsets, status = _solve(
-        problem, blocks, best, min(upper_units, -(-best.arena_bytes // unit)), {}, remaining, workers
-    )
+    if _left(deadline) < MIN_STAGE_SECONDS:
+        return _restamp(best, method, _status(problem, best, _NOT_RUN, bound), t0, bound)
+    upper_units = min(upper_units, -(-best.arena_bytes // unit))
+    offsets, status = _solve(problem, blocks, best, upper_units, {}, _left(deadline), workers)
     best, method = _better(problem, best, offsets, method, "cp-sat")
     if status.bound is not None:
         bound = max(bound, round(status.bound) * unit)
     return _restamp(best, method, _status(problem, best, status, bound), t0, bound)
+
+
+_NOT_RUN = SolveStatus("unknown", None, None, None, 0.0)
+
+
+def _left(deadline: float) -> float:
+    """Seconds left until ``deadline`` (never negative)."""
+    return max(0.0, deadline - time.perf_counter())
 
 
 def _better(

@@ -40,6 +40,8 @@ PER_WINDOW = 2
 BANDS = (0.01, 0.03, 0.1, 0.3)
 # Seconds given to one CP-SAT call (a window or a band); infeasible bands answer in milliseconds.
 STEP_SECONDS = 2.5
+# A CP-SAT call is not started with fewer seconds than this left in the budget.
+MIN_STEP_SECONDS = 0.05
 
 
 def applies(problem: PlacementProblem) -> bool:
@@ -128,22 +130,29 @@ def _greedy_orders(blocks: Blocks) -> list[tuple[str, list[int], bool]]:
 
 
 def peak_anchored(
-    problem: PlacementProblem, half_width: int, seconds: float = STEP_SECONDS, workers: int = 2
+    problem: PlacementProblem,
+    half_width: int,
+    seconds: float = STEP_SECONDS,
+    workers: int = 2,
+    deadline: float | None = None,
 ) -> Anchoring:
     """Fix the window of ``half_width`` steps around the first maximum-load time exactly
-    (:func:`solve_window`), then place every other buffer around it greedily, in several orders."""
+    (:func:`solve_window`), then place every other buffer around it greedily, in several orders
+    (as many as ``deadline``, a ``time.perf_counter()`` value, leaves time for; at least one)."""
     peak_time = int(np.argmax(load_profile(problem)))
     preset, status = solve_window(problem, peak_time - half_width, peak_time + half_width + 1, seconds, workers)
     if preset is None:
         return Anchoring((), status == "infeasible")
     blocks = make_blocks(problem)
-    placements = tuple(
-        place_in_order(
-            problem, order, best_fit=best_fit, method=f"peak-anchored-{name}", preset_units=preset, blocks=blocks
+    placements = []
+    for name, order, best_fit in _greedy_orders(blocks):
+        if placements and deadline is not None and time.perf_counter() >= deadline:
+            break
+        method = f"peak-anchored-{name}"
+        placements.append(
+            place_in_order(problem, order, best_fit=best_fit, method=method, preset_units=preset, blocks=blocks)
         )
-        for name, order, best_fit in _greedy_orders(blocks)
-    )
-    return Anchoring(placements, False)
+    return Anchoring(tuple(placements), False)
 
 
 def repair_top_band(
@@ -200,7 +209,7 @@ def reach_bound(
         band = int(fraction * problem.lower_bound_bytes)
         for candidate in candidates:
             left = deadline - time.perf_counter()
-            if left <= 0:
+            if left < MIN_STEP_SECONDS:
                 return best, False
             repaired = repair_top_band(problem, candidate, band, min(STEP_SECONDS, left), workers)
             if repaired is not None:
@@ -216,9 +225,9 @@ def _candidates(
     candidates, seen = [start], {start.offsets_bytes}
     for half_width in WINDOWS:
         left = deadline - time.perf_counter()
-        if left <= 0:
+        if left < MIN_STEP_SECONDS:
             break
-        anchoring = peak_anchored(problem, half_width, min(STEP_SECONDS, left), workers)
+        anchoring = peak_anchored(problem, half_width, min(STEP_SECONDS, left), workers, deadline)
         if anchoring.bound_unreachable:
             return candidates, True
         fresh = [p for p in sorted(anchoring.placements, key=lambda p: p.arena_bytes) if p.offsets_bytes not in seen]
