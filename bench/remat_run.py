@@ -4,7 +4,9 @@ Per configuration: plan within the budget (a fraction of the checkpoint-all peak
 steps with the plan and K steps eagerly from the same state and seed, and report the plan's
 peak (``sequence_peak_bytes``), the measured peak (resident parameters, buffers, optimizer
 state and batch plus the CPU allocator's peak), their ratio, the compute overhead and the
-largest difference in loss, parameters and buffers. Optionally, PyTorch's own
+largest difference in loss, parameters and buffers. By default the plan budgets for each op's
+measured workspace (kernel scratch beyond its outputs, :mod:`memplan.torch.profile`), and the
+planned peak counts it; ``--no-workspace`` plans on the captured graph alone. Optionally, PyTorch's own
 ``activation_memory_budget`` partitioner (torch.compile, aot_eager backend) on the same step.
 
     python bench/remat_run.py --steps 1 --out bench/results/remat_run.md
@@ -27,10 +29,10 @@ CONFIGS: list[tuple[str, int, float, str]] = [
 MIB = 2**20
 
 
-def run_config(model: str, batch: int, budget: float, strategy: str, steps: int) -> dict[str, Any]:
+def run_config(model: str, batch: int, budget: float, strategy: str, steps: int, workspace: bool) -> dict[str, Any]:
     from memplan.torch.remat_runtime import compare_remat_with_eager
 
-    return compare_remat_with_eager(model, batch, budget, strategy, steps)
+    return compare_remat_with_eager(model, batch, budget, strategy, steps, workspace=workspace)
 
 
 def torch_budget_peak(model: str, batch: int, budget: float) -> dict[str, Any]:
@@ -72,8 +74,9 @@ def torch_budget_peak(model: str, batch: int, budget: float) -> dict[str, Any]:
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
         "| model | batch | budget MiB | strategy | planned peak MiB | measured peak MiB | ratio | eager peak MiB "
-        "| overhead (FLOPs) | step s remat / eager | max abs diff | torch budget partitioner peak MiB |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| overhead (FLOPs) | step s remat / eager | max abs diff | largest op workspace MiB "
+        "| torch budget partitioner peak MiB |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
@@ -85,7 +88,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {r['model']} | {r['batch_size']} | {r['budget_bytes'] / MIB:.1f} | {r['strategy']} "
             f"| {r['planned_peak_bytes'] / MIB:.1f} | {r['measured_peak_bytes'] / MIB:.1f} | {r['peak_ratio']:.3f} "
             f"| {r['eager_peak_bytes'] / MIB:.1f} | {100 * r['overhead']:.1f}% "
-            f"| {r['remat_step_seconds']:.2f} / {r['eager_step_seconds']:.2f} | {r['max_abs_diff']:g} | {torch_text} |"
+            f"| {r['remat_step_seconds']:.2f} / {r['eager_step_seconds']:.2f} | {r['max_abs_diff']:g} "
+            f"| {r.get('workspace_bytes_max', 0) / MIB:.1f} | {torch_text} |"
         )
     return head + "\n".join(lines) + "\n"
 
@@ -95,6 +99,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--models", nargs="*", default=None, help="subset of the configured models")
     parser.add_argument("--torch-budget", action="store_true", help="also run torch's activation_memory_budget")
+    parser.add_argument(
+        "--no-workspace", action="store_true", help="plan without the measured per-op scratch (memplan.torch.profile)"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     rows = []
@@ -102,7 +109,7 @@ def main() -> None:
         if args.models and model not in args.models:
             continue
         start = time.perf_counter()
-        row = run_config(model, batch, budget, strategy, args.steps)
+        row = run_config(model, batch, budget, strategy, args.steps, not args.no_workspace)
         if args.torch_budget:
             row["torch_budget"] = torch_budget_peak(model, batch, budget)
         row["seconds"] = round(time.perf_counter() - start, 1)
@@ -115,6 +122,7 @@ def main() -> None:
             [f"--steps {args.steps}"]
             + (["--models " + " ".join(args.models)] if args.models else [])
             + (["--torch-budget"] if args.torch_budget else [])
+            + (["--no-workspace"] if args.no_workspace else [])
             + [f"--out {args.out}"]
         )
         title = "# Rematerialised training steps on real models vs eager PyTorch (CPU)"

@@ -1,6 +1,6 @@
 """Collect every measured table (bench/results/*.md) into docs/results.md.
 
-    python bench/report.py
+python bench/report.py
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ORDER = ["core", "capture", "reorder", "placement", "run-b1", "run-b32", "remat", "remat_run"]
+ORDER = ["core", "capture", "reorder", "placement", "run-b1", "run-b32", "remat", "remat_maxbatch", "remat_run"]
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ from memplan.graph.liveness import peak_bytes
 from memplan.remat import STRATEGIES, RematProblem, rematerialize
 from memplan.remat.coarsen import build_solver_graph, identity
 from memplan.remat.lower import InvalidPlan, lower, sequence_peak_bytes, steps_for_order, validate_sequence
+from memplan.remat.maxbatch import largest_fitting, max_batches, within_overhead
 from memplan.remat.problem import base_kind, recompute_skips_mutation, rerun_limits, run_cost
 
 
@@ -111,9 +112,9 @@ def _with_flops(graph: Graph, seed: int) -> Graph:
     return Graph(ops, graph.tensors, graph.name)
 
 
-def _brute_force_cost(graph: Graph, budget_bytes: int) -> float | None:
+def _brute_force_cost(graph: Graph, budget_bytes: int, workspace: tuple[int, ...] = ()) -> float | None:
     """The cheapest plan over every R (identity solver graph), by enumeration."""
-    problem = RematProblem(graph, budget_bytes)
+    problem = RematProblem(graph, budget_bytes, workspace=workspace)
     sg = identity(problem)
     cells = [(t, i) for t in range(sg.size) for i in range(t) if sg.may_run(t, i)]
     best = None
@@ -126,7 +127,7 @@ def _brute_force_cost(graph: Graph, budget_bytes: int) -> float | None:
             steps = lower(sg, [sorted(r) for r in rows])
         except InvalidPlan:
             continue
-        if sequence_peak_bytes(graph, steps) <= budget_bytes:
+        if sequence_peak_bytes(graph, steps, workspace) <= budget_bytes:
             cost = run_cost(problem.cost, steps)
             best = cost if best is None else min(best, cost)
     return best
@@ -254,3 +255,92 @@ def test_batch_norm_kinds() -> None:
     assert base_kind("aten::_native_batch_norm_legit") == "_native_batch_norm_legit"
     graph = bn_relu_graph()
     assert not recompute_skips_mutation(graph, graph.op_index["relu_"])  # mutates an activation, not a buffer
+
+
+# --- per-op workspace (kernel scratch) -----------------------------------------------------
+
+
+def test_workspace_counts_only_while_its_op_runs() -> None:
+    graph = fwd_bwd_chain([4, 6, 5], [3, 1, 2])  # f0 f1 f2 loss b2 b1; checkpoint-all peaks at 17
+    steps = steps_for_order(graph, graph.program_order())
+    assert sequence_peak_bytes(graph, steps) == 17
+    early = [0] * len(graph.ops)
+    early[0] = 5  # f0 runs with only x0 (4 B) live: 9 < 17
+    assert sequence_peak_bytes(graph, steps, early) == 17
+    early[0] = 20
+    assert sequence_peak_bytes(graph, steps, early) == 24
+
+
+@pytest.mark.parametrize(("budget", "scratch_op"), [(17, 4), (20, 4), (19, 5), (22, 1)])
+def test_checkmate_is_exact_with_workspace(budget: int, scratch_op: int) -> None:
+    graph = fwd_bwd_chain([4, 6, 5], [3, 1, 2])
+    workspace = tuple(3 if v == scratch_op else 0 for v in range(len(graph.ops)))
+    expected = _brute_force_cost(graph, budget, workspace)
+    problem = RematProblem(graph, budget, time_limit_seconds=5.0, workers=1, workspace=workspace)
+    plan = STRATEGIES["checkmate"](problem)
+    assert plan.feasible == (expected is not None)
+    if expected is not None:
+        assert plan.compute_cost == expected
+        assert plan.peak_bytes == sequence_peak_bytes(graph, plan.steps, workspace) <= budget
+
+
+@pytest.mark.parametrize("seed", [3, 7])
+def test_every_strategy_budgets_for_workspace(seed: int) -> None:
+    graph = _with_flops(random_dag(seed, 14, output_fraction=0.0), seed)
+    rng = random.Random(seed)
+    biggest = max(t.size_bytes for t in graph.tensors)
+    workspace = tuple(rng.choice([0, 0, biggest // 2, biggest]) for _ in graph.ops)
+    plain = STRATEGIES["checkpoint-all"](RematProblem(graph, 10**9)).peak_bytes
+    top = STRATEGIES["checkpoint-all"](RematProblem(graph, 10**9, workspace=workspace)).peak_bytes
+    assert top >= plain
+    for fraction in (1.0, 0.85):
+        problem = RematProblem(graph, int(top * fraction), time_limit_seconds=3.0, workers=1, workspace=workspace)
+        for name, solve in STRATEGIES.items():
+            plan = solve(problem)
+            if plan.steps:
+                assert plan.peak_bytes == sequence_peak_bytes(graph, plan.steps, workspace), name
+            if plan.feasible:
+                assert plan.peak_bytes <= problem.budget_bytes, name
+
+
+# --- the largest batch within a budget (Checkmate Figure 6) --------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(threshold=st.integers(0, 300), start=st.integers(1, 64), limit=st.integers(1, 400))
+def test_largest_fitting_finds_the_threshold(threshold: int, start: int, limit: int) -> None:
+    probed: list[int] = []
+
+    def fits(batch: int) -> bool:
+        probed.append(batch)
+        return batch <= threshold
+
+    assert largest_fitting(fits, start, limit) == min(threshold, limit)
+    assert all(1 <= b <= limit for b in probed)
+    assert len(probed) == len(set(probed))  # no batch probed twice
+
+
+def test_largest_fitting_starts_above_a_known_fit() -> None:
+    probed: list[int] = []
+    assert largest_fitting(lambda b: probed.append(b) or b <= 50, start=1, known=40) == 50
+    assert min(probed) > 40
+
+
+def test_max_batches_on_a_chain_whose_activations_grow_with_the_batch() -> None:
+    def problem_at(batch: int) -> RematProblem:
+        graph = fwd_bwd_chain([4 * batch, 6 * batch, 5 * batch, 3 * batch], [3, 1, 2, 2])
+        return RematProblem(graph, 17 * 8, time_limit_seconds=2.0, workers=1)
+
+    results = max_batches(problem_at, ["checkpoint-all", "linearized-greedy", "checkmate"], limit=64)
+    base = results["checkpoint-all"].batch
+    assert base >= 1
+    assert results["checkmate"].batch >= max(base, results["linearized-greedy"].batch)
+    best = results["checkmate"]
+    problem = problem_at(best.batch)
+    assert best.plan is not None and within_overhead(problem, best.plan)
+    assert not within_overhead(problem_at(best.batch + 1), STRATEGIES["checkmate"](problem_at(best.batch + 1)))
+
+
+def test_forward_fraction_is_the_share_of_the_forward_cost() -> None:
+    graph = fwd_bwd_chain([4, 6, 5], [3, 1, 2])  # forward 3 + 1 + 2 + loss 1, backward 2 * (2 + 1)
+    assert RematProblem(graph, 10**6).forward_fraction == pytest.approx(7 / 13)

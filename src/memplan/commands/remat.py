@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -18,7 +19,29 @@ Budget = Annotated[str, typer.Option("--budget", help="Bytes (e.g. 2e9), or a fr
 StrategyOption = Annotated[str, typer.Option("--strategy", help="checkmate, a baseline name, or all.")]
 TimeLimit = Annotated[float, typer.Option("--time-limit", min=0.1, help="CP-SAT time limit per solve, seconds.")]
 SweepOut = Annotated[Path | None, typer.Option("--sweep", help="Also sweep budgets and plot overhead to this PNG.")]
-MaxBatch = Annotated[bool, typer.Option("--max-batch", help="Also find the largest batch within the budget.")]
+MaxBatch = Annotated[
+    bool,
+    typer.Option(
+        "--max-batch", help="Also find each strategy's largest batch within the budget and one extra forward pass."
+    ),
+]
+
+
+class CostModel(str, Enum):
+    flops = "flops"
+    profile = "profile"
+
+
+CostOption = Annotated[
+    CostModel,
+    typer.Option("--cost", help="Op cost C_i: FLOPs, or seconds measured by running the step (profile)."),
+]
+WorkspaceFlag = Annotated[
+    bool,
+    typer.Option(
+        "--workspace", help="Measure each op's kernel scratch by running the step, and plan for it while it runs."
+    ),
+]
 RunSteps = Annotated[
     int,
     typer.Option(
@@ -49,41 +72,76 @@ def remat(
     sweep_png: SweepOut = None,
     max_batch_flag: MaxBatch = False,
     run_steps: RunSteps = 0,
+    cost: CostOption = CostModel.flops,
+    workspace: WorkspaceFlag = False,
 ) -> None:
     """Recompute activations to fit a budget (Checkmate MILP, Chen, Griewank baselines)."""
     from memplan.remat import STRATEGIES
     from memplan.remat.baselines import checkpoint_all
-    from memplan.remat.problem import RematProblem
     from memplan.remat.sweep import plot_sweep, solve_all, sweep
 
     names = list(STRATEGIES) if strategy == "all" else [strategy]
     if any(n not in STRATEGIES for n in names):
         raise MemplanError(f"unknown strategy {strategy!r}; choose all or one of {', '.join(STRATEGIES)}")
-    graph = load_source(source, batch_size=batch_size, mode="train", optimizer=optimizer.value)
-    top = checkpoint_all(RematProblem(graph, 10**18)).peak_bytes
+    inputs = ProblemInputs(source, optimizer.value, cost.value, workspace)
+    problem = inputs.problem(batch_size, 10**18, time_limit)
+    graph = problem.graph
+    top = checkpoint_all(problem).peak_bytes
     budget_bytes = parse_budget(budget, top)
-    problem = RematProblem(graph, budget_bytes, time_limit_seconds=time_limit)
+    problem = problem.with_budget(budget_bytes)
     plans = solve_all(problem, names)
     report: dict[str, Any] = {
         "budget_bytes": budget_bytes,
         "checkpoint_all_peak_bytes": top,
+        "cost_model": cost.value,
+        "workspace": workspace,
+        "workspace_bytes_max": max(problem.workspace, default=0),
         "strategies": {n: p.summary() for n, p in plans.items()},
     }
     print_plans(report, Console())
     if sweep_png is not None:
-        report["sweep"] = sweep(graph, names, time_limit_seconds=time_limit)
+        report["sweep"] = sweep(
+            graph, names, time_limit_seconds=time_limit, cost=problem.cost, workspace=problem.workspace
+        )
         plot_sweep(report["sweep"], sweep_png, title=str(graph.meta.get("model", graph.name)))
         Console().print(f"wrote {sweep_png}")
     if max_batch_flag:
-        report["max_batch"] = _max_batch(source, optimizer.value, budget_bytes, time_limit)
-        Console().print(f"largest batch within {format_bytes(budget_bytes)}: {report['max_batch']}")
+        report["max_batch"] = _max_batch(inputs, budget_bytes, time_limit, names)
+        print_max_batch(report["max_batch"], Console())
     if run_steps:
-        report["run"] = _run(source, batch_size, optimizer.value, plans, graph, run_steps)
+        report["run"] = _run(source, batch_size, optimizer.value, plans, problem, run_steps)
         print_run(report["run"], Console())
     write_json(json_path, report)
 
 
-def _run(source: str, batch_size: int, optimizer: str, plans: dict[str, Any], graph: Any, steps: int) -> dict:
+class ProblemInputs:
+    """How to build the remat problem of ``source`` at a batch: the captured graph, the cost
+    model (FLOPs or profiled seconds) and, optionally, each op's measured workspace."""
+
+    def __init__(self, source: str, optimizer: str, cost: str, workspace: bool) -> None:
+        from memplan.sources import is_graph_file
+
+        if (cost == "profile" or workspace) and is_graph_file(source):
+            raise MemplanError("--cost profile and --workspace run the step: they need a zoo model, not a graph file")
+        self.source, self.optimizer, self.cost, self.workspace = source, optimizer, cost, workspace
+
+    def problem(self, batch: int, budget_bytes: int, time_limit: float) -> Any:
+        from memplan.remat.problem import RematProblem
+
+        if self.cost == "flops" and not self.workspace:
+            graph = load_source(self.source, batch_size=batch, mode="train", optimizer=self.optimizer)
+            return RematProblem(graph, budget_bytes, time_limit_seconds=time_limit)
+        from memplan.torch.profile import profile_model
+
+        repeats = 3 if self.cost == "profile" else 0
+        capture, profile = profile_model(self.source, batch, self.optimizer, repeats=repeats, workspace=self.workspace)
+        capture.graph.meta.update({"model": self.source, "batch_size": batch, "mode": "train"})
+        costs = profile.costs() if self.cost == "profile" else ()
+        scratch = profile.workspace_bytes if self.workspace else ()
+        return RematProblem(capture.graph, budget_bytes, costs, time_limit, workspace=scratch)
+
+
+def _run(source: str, batch_size: int, optimizer: str, plans: dict[str, Any], problem: Any, steps: int) -> dict:
     """Run the cheapest feasible plan for ``steps`` steps against eager PyTorch."""
     from memplan.sources import is_graph_file
 
@@ -96,7 +154,15 @@ def _run(source: str, batch_size: int, optimizer: str, plans: dict[str, Any], gr
     from memplan.torch.remat_runtime import compare_remat_with_eager
 
     return compare_remat_with_eager(
-        source, batch_size, best.budget_bytes, best.strategy, steps, optimizer, schedule=best, expected_graph=graph
+        source,
+        batch_size,
+        best.budget_bytes,
+        best.strategy,
+        steps,
+        optimizer,
+        schedule=best,
+        expected_graph=problem.graph,
+        workspace=problem.workspace,
     )
 
 
@@ -116,15 +182,36 @@ def print_run(run: dict[str, Any], console: Console) -> None:
     console.print(table)
 
 
-def _max_batch(source: str, optimizer: str, budget_bytes: int, time_limit: float) -> int:
-    from memplan.remat.sweep import max_batch
+def _max_batch(inputs: ProblemInputs, budget_bytes: int, time_limit: float, names: list[str]) -> dict:
+    """Each strategy's largest batch within ``budget_bytes`` and one extra forward pass of
+    overhead (Checkmate Figure 6); checkpoint-all (no remat) is always included."""
+    from memplan.remat.maxbatch import max_batches
+    from memplan.sources import is_graph_file
 
-    batch, _ = max_batch(
-        lambda b: load_source(source, batch_size=b, mode="train", optimizer=optimizer),
-        budget_bytes,
-        time_limit_seconds=time_limit,
-    )
-    return batch
+    if is_graph_file(inputs.source):
+        raise MemplanError("--max-batch needs a zoo model to capture at other batch sizes, not a graph file")
+
+    def problem_at(batch: int) -> Any:
+        return inputs.problem(batch, budget_bytes, time_limit)
+
+    strategies = list(dict.fromkeys(["checkpoint-all", *names]))
+    results = max_batches(problem_at, strategies)
+    return {
+        "budget_bytes": budget_bytes,
+        "overhead_limit": "one extra forward pass (the forward's share of the step's cost)",
+        "strategies": {n: r.summary() for n, r in results.items()},
+    }
+
+
+def print_max_batch(result: dict[str, Any], console: Console) -> None:
+    table = Table(title=f"largest batch within {format_bytes(result['budget_bytes'])}, <= 1 extra forward pass")
+    for column in ("strategy", "batch", "overhead", "peak", "seconds"):
+        table.add_column(column)
+    for name, s in result["strategies"].items():
+        overhead = f"{100 * s['overhead']:.2f}%" if s["overhead"] is not None else "-"
+        peak = format_bytes(s["peak_bytes"]) if s["peak_bytes"] else "-"
+        table.add_row(name, str(s["batch"]), overhead, peak, f"{s['seconds']:.1f}")
+    console.print(table)
 
 
 def print_plans(report: dict[str, Any], console: Console) -> None:

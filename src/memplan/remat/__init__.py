@@ -29,16 +29,25 @@ def rematerialize(
     workers: int = 2,
     max_solver_nodes: int = 200,
     strict: bool = True,
+    cost: tuple[float, ...] = (),
+    workspace: tuple[int, ...] = (),
 ) -> RematSchedule:
     """Plan ``graph`` within ``budget_bytes`` with ``strategy`` (a key of :data:`STRATEGIES`).
 
     With ``strict`` a plan that does not fit raises :class:`memplan.errors.InfeasibleBudget`.
+    ``cost`` (per op, default FLOPs) and ``workspace`` (per-op scratch bytes, default none):
+    see :class:`RematProblem`.
     """
     if strategy not in STRATEGIES:
         raise MemplanError(f"unknown remat strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     problem = RematProblem(
-        graph, int(budget_bytes), time_limit_seconds=time_limit_seconds, workers=workers,
+        graph,
+        int(budget_bytes),
+        cost,
+        time_limit_seconds=time_limit_seconds,
+        workers=workers,
         max_solver_nodes=max_solver_nodes,
+        workspace=workspace,
     )
     schedule = STRATEGIES[strategy](problem)
     return require_feasible(schedule) if strict else schedule

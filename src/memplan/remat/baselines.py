@@ -277,7 +277,7 @@ def _not_applicable(problem: RematProblem, name: str, why: str) -> RematSchedule
 
 def solver_graph(problem: RematProblem) -> SolverGraph:
     """The solver graph every strategy of one problem shares (cached by problem identity)."""
-    key = (id(problem.graph), problem.max_solver_nodes, hash(problem.cost))
+    key = (id(problem.graph), problem.max_solver_nodes, hash(problem.cost), hash(problem.workspace))
     hit = _SG_CACHE.get(key)
     if hit is not None and hit.graph is problem.graph:
         return hit
@@ -287,7 +287,7 @@ def solver_graph(problem: RematProblem) -> SolverGraph:
     return sg
 
 
-_SG_CACHE: dict[tuple[int, int, int], SolverGraph] = {}
+_SG_CACHE: dict[tuple[int, int, int, int], SolverGraph] = {}
 
 
 def checkpoint_all(problem: RematProblem) -> RematSchedule:

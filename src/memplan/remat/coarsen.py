@@ -26,6 +26,8 @@ What is lost, compared with deciding per op:
   node, so a group's outputs are kept or freed together. Both make the solver's memory
   model an upper bound of the real lowered peak, so a plan within budget in the model is
   within budget on the real graph, but a tight budget may look infeasible to the solver;
+* an op's workspace (kernel scratch, :class:`memplan.remat.problem.RematProblem`) is counted
+  in its group's peak while the group runs, as ``sequence_peak_bytes`` counts it at the op;
 * the window of a re-runnable op that reads a tensor mutated later (optimizer updates) is
   rounded down to the group that holds the mutating op.
 """
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 
 from memplan.graph.ir import Category, Graph
 from memplan.remat.problem import RematProblem, rerun_limits
+from memplan.remat.problem import loss_op as _loss_op
 
 
 @dataclass(frozen=True)
@@ -115,13 +118,24 @@ def build_solver_graph(
     for k, ps in enumerate(preds):
         for p in ps:
             users[p].append(k)
-    out, peak, outputs, parts = zip(*(_group_memory(graph, members, group_of) for members in groups), strict=True)
+    workspace = problem.workspace or (0,) * len(graph.ops)
+    memory = (_group_memory(graph, members, group_of, workspace) for members in groups)
+    out, peak, outputs, parts = zip(*memory, strict=True)
     cost = tuple(float(sum(problem.cost[v] for v in members)) for members in groups)
     limit = tuple(_group_limit(members, k, limits, group_of) for k, members in enumerate(groups))
     num_forward = group_of[loss_op] + 1 if loss_op is not None else len(groups)
     return SolverGraph(
-        graph, tuple(groups), tuple(preds), tuple(tuple(u) for u in users),
-        out, peak, outputs, cost, limit, num_forward, parts,
+        graph,
+        tuple(groups),
+        tuple(preds),
+        tuple(tuple(u) for u in users),
+        out,
+        peak,
+        outputs,
+        cost,
+        limit,
+        num_forward,
+        parts,
     )
 
 
@@ -132,14 +146,6 @@ def _is_persistent_source(graph: Graph, v: int) -> bool:
 
 def _all_persistent(graph: Graph, members: tuple[int, ...]) -> bool:
     return all(_is_persistent_source(graph, v) for v in members)
-
-
-def _loss_op(graph: Graph) -> int | None:
-    """The op that makes the first output of the step (the loss): the end of the forward pass."""
-    for t, tensor in enumerate(graph.tensors):
-        if tensor.category is Category.OUTPUT:
-            return graph.producer[t]
-    return None
 
 
 def _zero_bytes(graph: Graph, v: int) -> bool:
@@ -216,9 +222,10 @@ def _forward_flags(units: list[list[int]], loss_op: int | None) -> list[bool]:
 
 
 def _group_memory(
-    graph: Graph, members: tuple[int, ...], group_of: list[int]
+    graph: Graph, members: tuple[int, ...], group_of: list[int], workspace: tuple[int, ...]
 ) -> tuple[int, int, int, tuple[tuple[int, tuple[int, ...]], ...]]:
-    """(M_k, peak while the group runs, output-of-step bytes, parts), with liveness's semantics."""
+    """(M_k, peak while the group runs, output-of-step bytes, parts), with liveness's semantics;
+    the peak counts each member's workspace while it runs (see :class:`RematProblem`)."""
     parts: dict[tuple[int, ...], int] = {}
     k = group_of[members[0]]
     inside = set(members)
@@ -232,7 +239,7 @@ def _group_memory(
             tensor = graph.tensors[t]
             if not tensor.persistent:
                 live += tensor.size_bytes
-        peak = max(peak, live)
+        peak = max(peak, live + workspace[v])
         for t in graph.ops[v].outputs:
             tensor = graph.tensors[t]
             if tensor.persistent:

@@ -217,12 +217,13 @@ def steps_for_order(graph: Graph, order: Sequence[int]) -> list[Step]:
     return insert_frees(graph, order)
 
 
-def sequence_peak_bytes(graph: Graph, steps: Sequence[Step]) -> int:
+def sequence_peak_bytes(graph: Graph, steps: Sequence[Step], workspace: Sequence[int] = ()) -> int:
     """THE peak estimator for step sequences, with :mod:`memplan.graph.liveness`'s semantics.
 
     At a run, the resident set is every live tensor plus the op's outputs (its inputs are
-    freed after it); persistent tensors are resident throughout. On a plain order lowered by
-    :func:`steps_for_order` it equals ``liveness.peak_bytes``.
+    freed after it) plus ``workspace[op]``, the scratch the op holds only while it runs;
+    persistent tensors are resident throughout. On a plain order lowered by
+    :func:`steps_for_order`, without workspace, it equals ``liveness.peak_bytes``.
     """
     resident = peak = graph.persistent_bytes
     live: set[int] = set()
@@ -233,7 +234,7 @@ def sequence_peak_bytes(graph: Graph, steps: Sequence[Step]) -> int:
                 if not tensor.persistent and t not in live:
                     live.add(t)
                     resident += tensor.size_bytes
-            peak = max(peak, resident)
+            peak = max(peak, resident + (workspace[i] if workspace else 0))
         elif i in live:
             live.discard(i)
             resident -= graph.tensors[i].size_bytes
@@ -247,7 +248,7 @@ def schedule_from_decisions(
     r_rows = rows(R)
     steps = lower(sg, r_rows)
     extra.setdefault("details", {"rows": r_rows})
-    peak = sequence_peak_bytes(problem.graph, steps)
+    peak = sequence_peak_bytes(problem.graph, steps, problem.workspace)
     if peak > problem.budget_bytes and status not in ("not-applicable", "infeasible"):
         status = "over-budget"
     return RematSchedule(

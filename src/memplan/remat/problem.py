@@ -27,7 +27,7 @@ only that a recompute yield the same value):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from memplan.graph.ir import Category, Graph
 
@@ -127,6 +127,14 @@ def compute_rerun_limits(graph: Graph) -> list[int]:
     return limits
 
 
+def loss_op(graph: Graph) -> int | None:
+    """The op that makes the first output of the step (the loss): the end of the forward pass."""
+    for t, tensor in enumerate(graph.tensors):
+        if tensor.category is Category.OUTPUT:
+            return graph.producer[t]
+    return None
+
+
 def default_costs(graph: Graph) -> tuple[float, ...]:
     """Checkmate 4.9's additive cost model with ``Op.flops`` as ``C_i``."""
     return tuple(float(op.flops) for op in graph.ops)
@@ -134,7 +142,13 @@ def default_costs(graph: Graph) -> tuple[float, ...]:
 
 @dataclass(frozen=True)
 class RematProblem:
-    """Run ``graph`` within ``budget_bytes`` at the least total cost ``sum C_i`` (Checkmate 4.5)."""
+    """Run ``graph`` within ``budget_bytes`` at the least total cost ``sum C_i`` (Checkmate 4.5).
+
+    ``workspace[i]``: bytes op ``i`` holds only while it runs, beyond its outputs (a kernel's
+    scratch, e.g. oneDNN's reorders inside ``convolution_backward``; measured by
+    :func:`memplan.torch.profile.profile_model`). Every estimator adds it at the op's run, so
+    plans budget for it; empty means none.
+    """
 
     graph: Graph
     budget_bytes: int
@@ -142,12 +156,15 @@ class RematProblem:
     time_limit_seconds: float = 60.0
     workers: int = 2
     max_solver_nodes: int = 200
+    workspace: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.cost:
             object.__setattr__(self, "cost", default_costs(self.graph))
         if len(self.cost) != len(self.graph.ops):
             raise ValueError(f"cost has {len(self.cost)} entries, the graph has {len(self.graph.ops)} ops")
+        if self.workspace and len(self.workspace) != len(self.graph.ops):
+            raise ValueError(f"workspace has {len(self.workspace)} entries, the graph has {len(self.graph.ops)} ops")
 
     @property
     def plain_cost(self) -> float:
@@ -155,9 +172,16 @@ class RematProblem:
         return float(sum(self.cost))
 
     def with_budget(self, budget_bytes: int) -> RematProblem:
-        return RematProblem(
-            self.graph, int(budget_bytes), self.cost, self.time_limit_seconds, self.workers, self.max_solver_nodes
-        )
+        return replace(self, budget_bytes=int(budget_bytes))
+
+    @property
+    def forward_fraction(self) -> float:
+        """Cost of the forward pass (up to the loss) over the cost of the whole step: the
+        overhead of one extra forward pass (Checkmate 6.3's limit for the largest batch)."""
+        loss = loss_op(self.graph)
+        if loss is None or self.plain_cost <= 0:
+            return 1.0
+        return float(sum(self.cost[: loss + 1])) / self.plain_cost
 
 
 @dataclass

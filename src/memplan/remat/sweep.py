@@ -1,4 +1,5 @@
-"""Budget sweeps (Checkmate Figure 4) and the largest batch within a budget (Figure 6)."""
+"""Budget sweeps (Checkmate Figure 4); the largest batch within a budget (Figure 6) is in
+:mod:`memplan.remat.maxbatch`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from typing import Any
 
 from memplan.graph.ir import Graph
 from memplan.remat.baselines import BASELINES, checkpoint_all
-from memplan.remat.coarsen import _loss_op
 from memplan.remat.milp import solve_checkmate
 from memplan.remat.problem import RematProblem, RematSchedule
 
@@ -38,10 +38,13 @@ def sweep(
     time_limit_seconds: float = 60.0,
     workers: int = 2,
     progress: Callable[[int, dict[str, RematSchedule]], None] | None = None,
+    cost: tuple[float, ...] = (),
+    workspace: tuple[int, ...] = (),
 ) -> list[dict[str, Any]]:
     """Budgets from the smallest feasible to the checkpoint-all peak; per budget, each
-    strategy's summary (feasible, peak, overhead, seconds, status, gap)."""
-    base = RematProblem(graph, 0, time_limit_seconds=time_limit_seconds, workers=workers)
+    strategy's summary (feasible, peak, overhead, seconds, status, gap). ``cost`` and
+    ``workspace``: as in :class:`RematProblem` (default: FLOPs, no workspace)."""
+    base = RematProblem(graph, 0, cost, time_limit_seconds=time_limit_seconds, workers=workers, workspace=workspace)
     top = checkpoint_all(base.with_budget(10**18)).peak_bytes
     low = smallest_budget(base)
     steps = max(1, num_budgets - 1)
@@ -82,45 +85,3 @@ def plot_sweep(results: Sequence[dict[str, Any]], path: str | Path, title: str =
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def forward_fraction(graph: Graph) -> float:
-    """Cost of the forward pass (up to the loss) over the cost of the whole step."""
-    loss = _loss_op(graph)
-    total = sum(op.flops for op in graph.ops)
-    if loss is None or total == 0:
-        return 1.0
-    return sum(op.flops for op in graph.ops[: loss + 1]) / total
-
-
-def max_batch(
-    make_graph: Callable[[int], Graph],
-    budget_bytes: int,
-    strategy: Callable[[RematProblem], RematSchedule] = solve_checkmate,
-    *,
-    start: int = 1,
-    limit: int = 4096,
-    time_limit_seconds: float = 60.0,
-) -> tuple[int, RematSchedule | None]:
-    """The largest batch whose step fits ``budget_bytes`` with at most one extra forward
-    pass of overhead (Checkmate Figure 6): doubling, then bisection on the batch size."""
-
-    def fits(batch: int) -> RematSchedule | None:
-        graph = make_graph(batch)
-        plan = strategy(RematProblem(graph, budget_bytes, time_limit_seconds=time_limit_seconds))
-        return plan if plan.feasible and plan.overhead <= forward_fraction(graph) + 1e-9 else None
-
-    best: tuple[int, RematSchedule | None] = (0, None)
-    batch = start
-    while batch <= limit and (plan := fits(batch)) is not None:
-        best = (batch, plan)
-        batch *= 2
-    low, high = best[0], min(batch, limit + 1)
-    while high - low > 1:
-        mid = (low + high) // 2
-        plan = fits(mid)
-        if plan is not None:
-            low, best = mid, (mid, plan)
-        else:
-            high = mid
-    return best

@@ -445,6 +445,8 @@ def op_flops(node: torch.fx.Node) -> int:
     from torch.utils.flop_counter import flop_registry
 
     out = node.meta.get("val")
+    if node.target is torch.ops.aten.convolution_backward.default:
+        return _conv_backward_flops(node)
     formula = flop_registry.get(node.target.overloadpacket)
     if formula is not None:
         args, kwargs = pytree.tree_map_only(torch.fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
@@ -453,6 +455,18 @@ def op_flops(node: torch.fx.Node) -> int:
         except Exception:  # a formula that cannot read these arguments: fall back to the default
             pass
     return sum(t.numel() for t in _tensor_leaves(out))
+
+
+def _conv_backward_flops(node: torch.fx.Node) -> int:
+    """``convolution_backward``: each requested gradient (input, weight) costs one forward
+    convolution (flop_counter's own formula ignores ``groups`` for the weight gradient, which
+    overcounts a depthwise convolution by its channel count)."""
+    from torch.utils.flop_counter import conv_flop_count
+
+    grad_out, x, w = (a.meta["val"] for a in node.args[:3])
+    transposed, output_mask = node.args[7], node.args[10]
+    forward = conv_flop_count(list(x.shape), list(w.shape), list(grad_out.shape), transposed)
+    return int(forward * (int(output_mask[0]) + int(output_mask[1])))
 
 
 def _tensor_leaves(value: Any) -> list[torch.Tensor]:

@@ -89,24 +89,29 @@ def compare_with_eager(
 
     eager, memplan = Side(step_seconds=[]), Side(step_seconds=[])
     max_diff = 0.0
-    replayed = getattr(runner, "replaying", True)
-    warmup = 0 if replayed else MAX_RECORDINGS  # recording steps until the planned allocator replays
-    k, measure = 0, False
-    while not measure:
-        # the last step runs under the profiler, in steady state, to measure memory
-        measure = k >= steps and (getattr(runner, "replaying", True) or k >= steps + warmup)
+    k = 0
+
+    def compared_step(measure: bool = False, timed: bool = True) -> None:
+        nonlocal k, max_diff
         torch.manual_seed(seed + 1000 + k)
         out_eager, peak_eager, t_eager = _run(lambda: _eager_step(w, eager_model, eager_opt), measure)
         torch.manual_seed(seed + 1000 + k)
         out_memplan, peak_memplan, t_memplan = _run(lambda: step(batch), measure)
         if measure:
             eager.peak_bytes, memplan.peak_bytes = peak_eager, peak_memplan
-        else:
+        elif timed:
             eager.step_seconds.append(t_eager)
             memplan.step_seconds.append(t_memplan)
         max_diff = max(max_diff, _max_abs_diff(out_eager, out_memplan))
         max_diff = max(max_diff, _max_abs_diff(_state(eager_model), _state(memplan_model)))
         k += 1
+
+    # the planned allocator records steps until their allocations repeat (untimed), then replays
+    while not getattr(runner, "replaying", True) and k < MAX_RECORDINGS:
+        compared_step(timed=False)
+    for _ in range(steps):
+        compared_step()
+    compared_step(measure=True)  # in steady state, under the profiler, to measure memory
 
     resident_eager = resident_bytes(_state(eager_model), optimizer_state_tensors(eager_opt) if train else [], batch)
     resident_memplan = resident_bytes(
@@ -120,7 +125,7 @@ def compare_with_eager(
         "mode": mode,
         "optimizer": optimizer_name if train else None,
         "steps": steps,
-        "compared_steps": k,  # with the recording steps the planned allocator needed
+        "compared_steps": k,  # with the untimed recording steps of the planned allocator and the measured one
         "allocator": step.allocator,
         "max_abs_diff": max_diff,
         "plan_seconds": round(plan_seconds, 3),

@@ -183,19 +183,26 @@ def _eager_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_f
 
 
 def plan_remat(
-    graph_capture: Capture, budget: float, strategy: str, time_limit_seconds: float = 30.0
+    graph_capture: Capture,
+    budget: float,
+    strategy: str,
+    time_limit_seconds: float = 30.0,
+    workspace: tuple[int, ...] = (),
 ) -> tuple[Any, int, int]:
     """``(schedule, budget bytes, checkpoint-all peak)`` for a budget in bytes, or a fraction
-    (<= 1) of the checkpoint-all peak; ``strategy="best"`` takes the cheapest feasible of all."""
+    (<= 1) of the checkpoint-all peak; ``strategy="best"`` takes the cheapest feasible of all.
+    ``workspace``: per-op scratch bytes the plan must leave room for (see :mod:`memplan.torch.profile`)."""
     from memplan.remat import STRATEGIES, rematerialize
     from memplan.remat.baselines import checkpoint_all
     from memplan.remat.problem import RematProblem
 
     graph = graph_capture.graph
-    top = checkpoint_all(RematProblem(graph, 10**18)).peak_bytes
+    top = checkpoint_all(RematProblem(graph, 10**18, workspace=workspace)).peak_bytes
     budget_bytes = int(budget * top) if budget <= 1 else int(budget)
     names = list(STRATEGIES) if strategy == "best" else [strategy]
-    plans = [rematerialize(graph, budget_bytes, n, time_limit_seconds, strict=False) for n in names]
+    plans = [
+        rematerialize(graph, budget_bytes, n, time_limit_seconds, strict=False, workspace=workspace) for n in names
+    ]
     feasible = [p for p in plans if p.feasible]
     if not feasible:
         raise MemplanError(f"no strategy of {', '.join(names)} fits {budget_bytes} B (checkpoint-all: {top} B)")
@@ -214,6 +221,7 @@ def compare_remat_with_eager(
     seed: int = 0,
     schedule: Any = None,
     expected_graph: Any = None,
+    workspace: bool | tuple[int, ...] = False,
 ) -> dict[str, Any]:
     """Train ``steps`` steps with the rematerialised plan and eagerly, from the same initial
     state and seed; report the largest difference in loss, parameters and buffers after every
@@ -221,16 +229,19 @@ def compare_remat_with_eager(
     the allocator's peak during one steady-state step) against ``sequence_peak_bytes``.
 
     ``schedule`` (with the ``expected_graph`` it was made for): run that plan instead of
-    planning ``budget`` with ``strategy``."""
+    planning ``budget`` with ``strategy``. ``workspace``: per-op scratch bytes the plan and its
+    planned peak count while each op runs; ``True`` measures them first
+    (:func:`memplan.torch.profile.profile_model`, on a separate copy of the model)."""
     from memplan.remat import sequence_peak_bytes, validate_sequence
     from memplan.torch.compare import _max_abs_diff
     from memplan.torch.measure import optimizer_state_tensors, resident_bytes
     from memplan.torch.zoo import build_workload, capture_model, make_optimizer
 
     capture = capture_model(model_name, batch_size, "train", optimizer_name)
+    scratch = _workspace(capture, model_name, batch_size, optimizer_name, workspace, seed)
     start = time.perf_counter()
     if schedule is None:
-        schedule, budget_bytes, top = plan_remat(capture, budget, strategy, time_limit_seconds)
+        schedule, budget_bytes, top = plan_remat(capture, budget, strategy, time_limit_seconds, scratch)
     else:
         budget_bytes, top = schedule.budget_bytes, None
     plan_seconds = time.perf_counter() - start
@@ -263,7 +274,7 @@ def compare_remat_with_eager(
         state_diff = _max_abs_diff(_state(eager_model), _state(remat_model))
         max_diff = max(max_diff, _max_abs_diff(out_eager, out_remat), state_diff)
 
-    planned = sequence_peak_bytes(capture.graph, schedule.steps)
+    planned = sequence_peak_bytes(capture.graph, schedule.steps, scratch)
     resident = resident_bytes(_state(remat_model), optimizer_state_tensors(remat_opt), batch)
     measured = resident + remat.peak_bytes
     eager_resident = resident_bytes(_state(eager_model), optimizer_state_tensors(eager_opt), batch)
@@ -279,6 +290,7 @@ def compare_remat_with_eager(
         "measured_peak_bytes": measured,
         "peak_ratio": round(measured / planned, 4) if planned else None,
         "eager_peak_bytes": eager_resident + eager.peak_bytes,
+        "workspace_bytes_max": max(scratch, default=0),
         "overhead": round(schedule.overhead, 4),
         "recomputed_ops": runner.recomputes,
         "max_abs_diff": max_diff,
@@ -286,6 +298,18 @@ def compare_remat_with_eager(
         "remat_step_seconds": remat.median_seconds(),
         "eager_step_seconds": eager.median_seconds(),
     }
+
+
+def _workspace(
+    capture: Capture, model_name: str, batch_size: int, optimizer_name: str, workspace: Any, seed: int
+) -> tuple[int, ...]:
+    """Per-op scratch bytes: as given, none (``False``), or measured (``True``)."""
+    if workspace is True:
+        from memplan.torch.profile import profile_model
+
+        _, profile = profile_model(model_name, batch_size, optimizer_name, repeats=0, seed=seed, capture=capture)
+        return profile.workspace_bytes
+    return tuple(workspace) if workspace else ()
 
 
 def _signature(graph: Any) -> list[tuple[str, str, int]]:
