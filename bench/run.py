@@ -26,6 +26,18 @@ HEADER = (
 )
 
 
+NOTES = [
+    "Columns: *memplan peak* = resident parameters, buffers, optimizer state, batch and arena + the CPU "
+    "allocator's peak during a steady-state step (profiler memory events); *eager peak* = the same for eager "
+    "PyTorch. *planned peak* = what the plan claims before the measured step: persistent bytes + the arena "
+    "(allocator `replay`: solved from the recorded allocations of the step, kernel scratch included). *graph "
+    "estimate* = the captured graph's peak in the planned order (`memplan.graph.liveness`), which sees no kernel "
+    "scratch and no in-place reuse. *left to allocator* = bytes the step requested that did not come from the "
+    "arena (with `replay`: the returned loss and a few scalars). Times: medians of the timed steps, eager and "
+    "memplan interleaved in one process; the planned allocator's recording steps are not timed.",
+]
+
+
 def fallback_share(m: dict) -> float:
     """Bytes the step requested that did not land in the arena, over all it requested."""
     if "served_bytes" in m:  # planned allocator
@@ -89,13 +101,15 @@ def main() -> None:
         "|" + "---|" * (HEADER.count("|") - 1),
         *rows,
     ]
-    lines += ["", "Bytes computed then copied into the arena (no real out= kernel on CPU), by op:", ""]
-    lines += [
-        f"- {r['model']}: "
-        + ", ".join(f"{op} {format_bytes(b)}" for op, b in list(r["memplan"]["copied_ops"].items())[:4])
-        for r in reports
-        if r["memplan"]["copied_ops"]
-    ]
+    lines += ["", *NOTES]
+    copied = [r for r in reports if r["memplan"]["copied_ops"]]
+    if copied:
+        lines += ["", "Bytes computed then copied into the arena (views allocator, no out= kernel), by op:", ""]
+        lines += [
+            f"- {r['model']}: "
+            + ", ".join(f"{op} {format_bytes(b)}" for op, b in list(r["memplan"]["copied_ops"].items())[:4])
+            for r in copied
+        ]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps(reports, indent=1))

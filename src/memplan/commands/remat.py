@@ -17,12 +17,27 @@ from memplan.sources import load_source
 
 Budget = Annotated[str, typer.Option("--budget", help="Bytes (e.g. 2e9), or a fraction of the checkpoint-all peak.")]
 StrategyOption = Annotated[str, typer.Option("--strategy", help="checkmate, a baseline name, or all.")]
-TimeLimit = Annotated[float, typer.Option("--time-limit", min=0.1, help="CP-SAT time limit per solve, seconds.")]
+TimeLimit = Annotated[float, typer.Option("--time-limit", min=0.1, help="MILP time limit per solve, seconds.")]
 SweepOut = Annotated[Path | None, typer.Option("--sweep", help="Also sweep budgets and plot overhead to this PNG.")]
 MaxBatch = Annotated[
     bool,
     typer.Option(
         "--max-batch", help="Also find each strategy's largest batch within the budget and one extra forward pass."
+    ),
+]
+
+
+class SolverName(str, Enum):
+    cp_sat = "cp-sat"
+    highs = "highs"
+
+
+SolverOption = Annotated[
+    SolverName,
+    typer.Option(
+        "--solver",
+        help="Checkmate's MILP backend for the plan at --budget: CP-SAT, or HiGHS (optional: pip install highspy); "
+        "--sweep and --max-batch use CP-SAT.",
     ),
 ]
 
@@ -74,24 +89,28 @@ def remat(
     run_steps: RunSteps = 0,
     cost: CostOption = CostModel.flops,
     workspace: WorkspaceFlag = False,
+    solver: SolverOption = SolverName.cp_sat,
 ) -> None:
     """Recompute activations to fit a budget (Checkmate MILP, Chen, Griewank baselines)."""
     from memplan.remat import STRATEGIES
     from memplan.remat.baselines import checkpoint_all
-    from memplan.remat.sweep import plot_sweep, solve_all, sweep
+    from memplan.remat.milp import check_solver
+    from memplan.remat.sweep import plot_sweep, sweep
 
     names = list(STRATEGIES) if strategy == "all" else [strategy]
     if any(n not in STRATEGIES for n in names):
         raise MemplanError(f"unknown strategy {strategy!r}; choose all or one of {', '.join(STRATEGIES)}")
+    check_solver(solver.value)
     inputs = ProblemInputs(source, optimizer.value, cost.value, workspace)
     problem = inputs.problem(batch_size, 10**18, time_limit)
     graph = problem.graph
     top = checkpoint_all(problem).peak_bytes
     budget_bytes = parse_budget(budget, top)
     problem = problem.with_budget(budget_bytes)
-    plans = solve_all(problem, names)
+    plans = solve_plans(problem, names, solver.value)
     report: dict[str, Any] = {
         "budget_bytes": budget_bytes,
+        "solver": solver.value,
         "checkpoint_all_peak_bytes": top,
         "cost_model": cost.value,
         "workspace": workspace,
@@ -112,6 +131,21 @@ def remat(
         report["run"] = _run(source, batch_size, optimizer.value, plans, problem, run_steps)
         print_run(report["run"], Console())
     write_json(json_path, report)
+
+
+def solve_plans(problem: Any, names: list[str], solver: str) -> dict[str, Any]:
+    """Each strategy's plan; Checkmate's MILP with ``solver``, warm-started from the best baseline."""
+    from memplan.remat.baselines import BASELINES
+    from memplan.remat.milp import solve_checkmate
+    from memplan.remat.sweep import solve_all
+
+    if solver == "cp-sat" or "checkmate" not in names:
+        return solve_all(problem, names)
+    plans = solve_all(problem, list(BASELINES))
+    fits = [p for p in plans.values() if p.feasible]
+    warm = min(fits, key=lambda p: (p.compute_cost, p.peak_bytes)) if fits else None
+    plans["checkmate"] = solve_checkmate(problem, warm, solver=solver)
+    return {name: plans[name] for name in names}
 
 
 class ProblemInputs:

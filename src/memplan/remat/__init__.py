@@ -1,5 +1,8 @@
 """Rematerialisation under a memory budget: Checkmate's MILP and Chen's and Griewank's baselines.
 
+The MILP is solved with OR-Tools CP-SAT, or with HiGHS (``solver="highs"``, optional:
+``pip install highspy``; it runs in a child process, see :mod:`memplan.remat.highs`).
+
 ``rematerialize(graph, budget_bytes, strategy)`` returns a :class:`RematSchedule` whose
 ``steps`` the runtime executes: ``("run", op_id)`` runs an op (first run or recompute) and
 ``("free", tensor_id)`` releases the current instance of a tensor; reads use the latest
@@ -14,7 +17,7 @@ from memplan.errors import MemplanError
 from memplan.graph.ir import Graph
 from memplan.remat.baselines import BASELINES, require_feasible
 from memplan.remat.lower import InvalidPlan, lower, sequence_peak_bytes, steps_for_order, validate_sequence
-from memplan.remat.milp import solve_checkmate
+from memplan.remat.milp import SOLVERS, check_solver, solve_checkmate
 from memplan.remat.problem import RematProblem, RematSchedule, Step
 
 STRATEGIES: dict[str, Callable[[RematProblem], RematSchedule]] = {"checkmate": solve_checkmate, **BASELINES}
@@ -31,13 +34,16 @@ def rematerialize(
     strict: bool = True,
     cost: tuple[float, ...] = (),
     workspace: tuple[int, ...] = (),
+    solver: str = "cp-sat",
 ) -> RematSchedule:
     """Plan ``graph`` within ``budget_bytes`` with ``strategy`` (a key of :data:`STRATEGIES`).
 
     With ``strict`` a plan that does not fit raises :class:`memplan.errors.InfeasibleBudget`.
     ``cost`` (per op, default FLOPs) and ``workspace`` (per-op scratch bytes, default none):
-    see :class:`RematProblem`.
+    see :class:`RematProblem`. ``solver``: the MILP's backend for "checkmate", one of
+    :data:`SOLVERS` ("cp-sat", or "highs" if highspy is installed).
     """
+    check_solver(solver)
     if strategy not in STRATEGIES:
         raise MemplanError(f"unknown remat strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     problem = RematProblem(
@@ -49,11 +55,12 @@ def rematerialize(
         max_solver_nodes=max_solver_nodes,
         workspace=workspace,
     )
-    schedule = STRATEGIES[strategy](problem)
+    schedule = solve_checkmate(problem, solver=solver) if strategy == "checkmate" else STRATEGIES[strategy](problem)
     return require_feasible(schedule) if strict else schedule
 
 
 __all__ = [
+    "SOLVERS",
     "STRATEGIES",
     "InvalidPlan",
     "RematProblem",

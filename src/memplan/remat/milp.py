@@ -24,24 +24,31 @@ The answer is lowered on the real graph and re-measured by
 :func:`memplan.remat.lower.sequence_peak_bytes`; the budget check is done there. The solve
 is warm-started (hints) from the cheapest feasible baseline, and if the MILP's plan is not
 cheaper, that baseline's plan is returned (status "fallback").
+
+``solver="highs"`` solves the same model with HiGHS instead: :mod:`memplan.remat.highs`
+exports it as a plain MILP (the hints become a MIP start) and runs HiGHS in a child process.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
+from memplan.errors import MemplanError
 from memplan.remat.baselines import BASELINES, solver_graph
 from memplan.remat.coarsen import SolverGraph
+from memplan.remat.highs import require_highs, solve_highs
 from memplan.remat.lower import schedule_from_decisions
 from memplan.remat.problem import RematProblem, RematSchedule
-from memplan.solvers import solve_cp_sat
+from memplan.solvers import SolveStatus, solve_cp_sat
 
 MEMORY_STEPS = 50_000_000
 COST_STEPS = 100_000
+SOLVERS = ("cp-sat", "highs")
 
 
 Lit = cp_model.IntVar | int
@@ -224,7 +231,12 @@ def complete_hints(mm: _Model, sg: SolverGraph, rows_: list[list[int]], seconds:
 
 
 def rows_from_solution(mm: _Model, solver: cp_model.CpSolver, n: int) -> list[list[int]]:
-    return [sorted([t] + [i for i in range(t) if (t, i) in mm.R and solver.value(mm.R[t, i])]) for t in range(n)]
+    return rows_from_values(mm, solver.value, n)
+
+
+def rows_from_values(mm: _Model, value: Callable[[cp_model.IntVar], float], n: int) -> list[list[int]]:
+    """``R`` as rows (Checkmate's Algorithm 1 input) from any solver's values of the R variables."""
+    return [sorted([t] + [i for i in range(t) if (t, i) in mm.R and value(mm.R[t, i]) > 0.5]) for t in range(n)]
 
 
 def best_baseline(problem: RematProblem) -> RematSchedule | None:
@@ -234,26 +246,51 @@ def best_baseline(problem: RematProblem) -> RematSchedule | None:
     return min(fits, key=lambda p: (p.compute_cost, p.peak_bytes)) if fits else None
 
 
-def solve_checkmate(problem: RematProblem, warm: RematSchedule | None = None) -> RematSchedule:
-    """Checkmate's MILP, warm-started from the best baseline; never worse than that baseline."""
+def check_solver(solver: str) -> None:
+    """Raise :class:`MemplanError` for an unknown backend, or for HiGHS without highspy."""
+    if solver not in SOLVERS:
+        raise MemplanError(f"unknown MILP solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    if solver == "highs":
+        require_highs()
+
+
+def solve_checkmate(problem: RematProblem, warm: RematSchedule | None = None, solver: str = "cp-sat") -> RematSchedule:
+    """Checkmate's MILP, warm-started from the best baseline; never worse than that baseline.
+
+    ``solver``: "cp-sat" (OR-Tools, in process) or "highs" (optional, in a child process)."""
+    check_solver(solver)
     start = time.perf_counter()
     sg = solver_graph(problem)
     warm = warm if warm is not None else best_baseline(problem)
     if warm is not None and warm.compute_cost <= problem.plain_cost:
         # no recomputation: no plan can cost less than running every op once
-        return _finish(problem, warm, None, "optimal", 0.0, start)
+        return _finish(problem, warm, None, "optimal", 0.0, start, solver)
     mm = build_model(sg, problem.budget_bytes, problem.graph.persistent_bytes)
     hinted = False
     if warm is not None and "rows" in warm.details:
         hinted = complete_hints(mm, sg, warm.details["rows"], problem.time_limit_seconds / 4)  # type: ignore[arg-type]
     if mm.infeasible:
-        return _finish(problem, warm, None, "infeasible", None, start)
-    solver, status = solve_cp_sat(mm.model, problem.time_limit_seconds, workers=problem.workers)
-    if status.status not in ("optimal", "feasible"):
-        return _finish(problem, warm, None, status.status, status.gap, start)
-    plan = schedule_from_decisions(problem, sg, rows_from_solution(mm, solver, sg.size), "checkmate", status.status)
+        return _finish(problem, warm, None, "infeasible", None, start, solver)
+    status, rows_ = _solve_model(mm, sg.size, problem, solver)
+    if rows_ is None:
+        return _finish(problem, warm, None, status.status, status.gap, start, solver)
+    plan = schedule_from_decisions(problem, sg, rows_, "checkmate", status.status)
     plan.details["hinted"] = hinted
-    return _finish(problem, warm, plan, status.status, status.gap, start)
+    return _finish(problem, warm, plan, status.status, status.gap, start, solver)
+
+
+def _solve_model(mm: _Model, n: int, problem: RematProblem, solver: str) -> tuple[SolveStatus, list[list[int]] | None]:
+    """Solve the model with ``solver``; the status and ``R`` as rows (None without a solution)."""
+    if solver == "highs":
+        continuous = [u.index for u in mm.U.values()]
+        status, x = solve_highs(mm.model, problem.time_limit_seconds, continuous=continuous, threads=problem.workers)
+        if status.status not in ("optimal", "feasible") or x is None:
+            return status, None
+        return status, rows_from_values(mm, lambda var: x[var.index], n)
+    cp, status = solve_cp_sat(mm.model, problem.time_limit_seconds, workers=problem.workers)
+    if status.status not in ("optimal", "feasible"):
+        return status, None
+    return status, rows_from_solution(mm, cp, n)
 
 
 def _finish(
@@ -263,6 +300,7 @@ def _finish(
     status: str,
     gap: float | None,
     start: float,
+    solver: str = "cp-sat",
 ) -> RematSchedule:
     """Keep the MILP's plan if it fits and is no costlier than the baseline's, else the baseline's."""
     use_plan = plan is not None and plan.feasible and (warm is None or plan.compute_cost <= warm.compute_cost)
@@ -273,17 +311,30 @@ def _finish(
         chosen.details["solver_status"] = status
     else:
         chosen = RematSchedule(
-            "checkmate", problem.budget_bytes, [], 0, 0.0, problem.plain_cost, "infeasible",
+            "checkmate",
+            problem.budget_bytes,
+            [],
+            0,
+            0.0,
+            problem.plain_cost,
+            "infeasible",
             message=f"checkmate: no plan within {problem.budget_bytes} B (solver: {status})",
         )
     chosen.seconds = time.perf_counter() - start
     chosen.gap = gap
     chosen.details["solver_status"] = status
+    chosen.details["solver"] = solver
     return chosen  # type: ignore[return-value]
 
 
 def _copy_as(plan: RematSchedule, status: str) -> RematSchedule:
     return RematSchedule(
-        "checkmate", plan.budget_bytes, plan.steps, plan.peak_bytes, plan.compute_cost, plan.plain_cost, status,
+        "checkmate",
+        plan.budget_bytes,
+        plan.steps,
+        plan.peak_bytes,
+        plan.compute_cost,
+        plan.plain_cost,
+        status,
         details={"from": plan.strategy},
     )

@@ -115,8 +115,10 @@ class StepRunner:
         self.instructions = self._compile()
         self.last_use = self._last_uses()
         self._frees = self._free_schedule()
-        if not plan.offsets and reuse_dying_inputs:
-            self.instructions = self._write_into_dying_inputs()
+        if not plan.offsets:
+            self.instructions = [self._fresh_kernel(ins) for ins in self.instructions]
+            if reuse_dying_inputs:
+                self.instructions = self._write_into_dying_inputs()
         self.stats = RunStats()
         self._params = dict(model.named_parameters())
         self._buffers = dict(model.named_buffers())
@@ -192,6 +194,16 @@ class StepRunner:
             last[n.name] = len(self.plan.order)
         return last
 
+    def _fresh_kernel(self, ins: _Call | _Update) -> _Call | _Update:
+        """Use an :data:`ARENA_KERNELS` kernel (writing into a fresh output) where one applies:
+        it needs less scratch than PyTorch's own CPU kernel and gives the same bits."""
+        if not isinstance(ins, _Call) or len(ins.fresh) != 1:
+            return ins
+        kernel = ARENA_KERNELS.get(ins.node.target._schema.name)
+        if kernel is None or not kernel.applies(ins.node.args):
+            return ins
+        return replace(ins, strategy="kernel")
+
     def _write_into_dying_inputs(self) -> list[_Call | _Update]:
         """Chen et al. 4.1's in-place sharing: an elementwise op whose input storage dies at it
         (no later reader, not a parameter, state or batch storage) writes its result into that
@@ -254,6 +266,10 @@ class StepRunner:
                 if ins.strategy == "inplace":
                     result = ins.out_op(*args, **kwargs, **{ins.out_names[0]: args[ins.inplace_arg]})
                     self.stats.inplace_bytes += result.untyped_storage().nbytes()
+                elif ins.strategy == "kernel":
+                    meta = ins.fresh[0].meta
+                    result = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device=self.arena.device)
+                    ARENA_KERNELS[ins.node.target._schema.name].write(result, *args, **kwargs)
                 else:
                     result = ins.node.target(*args, **kwargs)
                 _store(ins.node, result, env)
