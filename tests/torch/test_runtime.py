@@ -107,3 +107,34 @@ def test_arena_embedding_backward_is_bitwise_the_cpu_kernel(padding_idx):
     assert not kernel.applies((grad, indices, 50, padding_idx, True))
     kernel.write(out, grad, indices, 50, padding_idx, False)
     assert torch.equal(out, expected)
+
+
+ROWWISE_CASES = [((8, 4, 16, 16), 1), ((32, 1000), 1), ((2, 12, 64, 64), -1), ((3, 5, 7), 0)]
+
+
+@pytest.mark.parametrize(("shape", "dim"), ROWWISE_CASES)
+def test_rowwise_kernels_written_over_their_input_give_the_same_bits(shape, dim):
+    """The runtime's in-place sharing (INPLACE_ROWWISE) relies on these kernels reading each
+    element before writing it: out= over either input must equal the functional kernel."""
+    from memplan.torch.runtime import INPLACE_ROWWISE
+
+    aten = torch.ops.aten
+    torch.manual_seed(0)
+    x, grad = torch.randn(shape) * 3, torch.randn(shape)
+    checked = set()
+    for name, op, args in [
+        ("aten::_softmax", aten._softmax, (x, dim, False)),
+        ("aten::_log_softmax", aten._log_softmax, (x, dim, False)),
+        ("aten::_softmax_backward_data", aten._softmax_backward_data, (grad, torch.softmax(x, dim), dim, x.dtype)),
+        ("aten::_log_softmax_backward_data", aten._log_softmax_backward_data, (grad, x.log_softmax(dim), dim, x.dtype)),
+    ]:
+        expected = op.default(*args)
+        out_name = next(a.name for a in op.out._schema.arguments if a.is_out)
+        for i, arg in enumerate(args):
+            if isinstance(arg, torch.Tensor):
+                aliased = list(args)
+                aliased[i] = arg.clone()
+                got = op.out(*aliased, **{out_name: aliased[i]})
+                assert torch.equal(got, expected), (name, i)
+        checked.add(name)
+    assert checked == INPLACE_ROWWISE

@@ -232,7 +232,9 @@ class StepRunner:
     def _dying_input(self, ins: _Call, storage_last: dict[int, int]) -> int | None:
         node = ins.node
         out = node.meta.get("val")
-        if _op_name(node) not in INPLACE_ELEMENTWISE or not isinstance(out, torch.Tensor) or len(ins.fresh) != 1:
+        if _op_name(node) not in INPLACE_ELEMENTWISE | INPLACE_ROWWISE or not isinstance(out, torch.Tensor):
+            return None
+        if len(ins.fresh) != 1:
             return None
         if _real_out_variant(node.target, 1)[0] is None:
             return None
@@ -578,7 +580,14 @@ INPLACE_ELEMENTWISE = frozenset(
         "aten::clamp_min",
         "aten::neg",
         "aten::where.self",
+        "aten::native_dropout_backward",
     }
+)
+# Row-wise kernels (CPU): each row's reductions are taken before any of its elements is written,
+# and each element is written only after it was read, so the out= kernel may write over an input
+# of the same layout; bit-exactness against the functional kernel is tested.
+INPLACE_ROWWISE = frozenset(
+    {"aten::_softmax", "aten::_log_softmax", "aten::_softmax_backward_data", "aten::_log_softmax_backward_data"}
 )
 
 
