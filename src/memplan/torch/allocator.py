@@ -10,6 +10,7 @@ the installed torch's headers and cached. Without a compiler, :func:`load` raise
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import fcntl
 import hashlib
@@ -211,8 +212,6 @@ def replay_plan(trace: AllocationTrace, offsets: dict[int, int], arena_bytes: in
 
 
 def _count_before(sorted_times: list[int], time: int) -> int:
-    import bisect
-
     return bisect.bisect_left(sorted_times, time)
 
 

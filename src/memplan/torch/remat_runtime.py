@@ -66,7 +66,7 @@ class RematRunner(StepRunner):
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
-        super().__init__(capture, Plan(first_run_order(steps)), model, optimizer)
+        super().__init__(capture, Plan(first_run_order(steps)), model, optimizer, reuse_dying_inputs=False)
         self.steps = list(steps)
         self.by_op = {self.plan.order[ins.position]: ins for ins in self.instructions}
         self.holders = self._holders()
