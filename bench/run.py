@@ -32,7 +32,8 @@ NOTES = [
     "PyTorch. *planned peak* = what the plan claims before the measured step: persistent bytes + the arena "
     "(allocator `replay`: solved from the recorded allocations of the step, kernel scratch included). *graph "
     "estimate* = the captured graph's peak in the planned order (`memplan.graph.liveness`), which sees no kernel "
-    "scratch and no in-place reuse. *left to allocator* = bytes the step requested that did not come from the "
+    "scratch and no in-place reuse (it does see recomputed copies). *left to allocator* = bytes the step requested "
+    "that did not come from the "
     "arena (with `replay`: the returned loss and a few scalars). Times: medians of the timed steps, eager and "
     "memplan interleaved in one process; the planned allocator's recording steps are not timed.",
 ]
@@ -68,6 +69,7 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(list_models()))
     parser.add_argument("--time-limit", type=float, default=10.0)
     parser.add_argument("--allocator", default="auto", choices=["auto", "replay", "views"])
+    parser.add_argument("--no-recompute", action="store_true", help="keep every forward copy (no recomputed cat/clone)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--from-json", default=None, help="rebuild the table from a previous run's JSON")
     args = parser.parse_args()
@@ -88,6 +90,7 @@ def main() -> None:
             args.optimizer,
             time_limit_seconds=args.time_limit,
             allocator=args.allocator,
+            recompute_copies=not args.no_recompute,
         )
         reports.append(r)
         rows.append(row(r))
@@ -102,6 +105,10 @@ def main() -> None:
         *rows,
     ]
     lines += ["", *NOTES]
+    recomputed = [r for r in reports if r["plan"].get("recomputed_copies")]
+    if recomputed:
+        lines += ["", "Copies run again in the backward instead of kept (`memplan.torch.recompute`):", ""]
+        lines += [f"- {r['model']}: {', '.join(r['plan']['recomputed_copies'])}" for r in recomputed]
     copied = [r for r in reports if r["memplan"]["copied_ops"]]
     if copied:
         lines += ["", "Bytes computed then copied into the arena (views allocator, no out= kernel), by op:", ""]

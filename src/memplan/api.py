@@ -34,6 +34,7 @@ def optimize(
     time_limit_seconds: float = 10.0,
     reorder: bool = True,
     allocator: str = "views",
+    recompute_copies: bool = True,
 ) -> tuple[Capture, MemoryPlan]:
     """Capture and plan one step; returns the capture and the plan (with its report).
 
@@ -41,14 +42,15 @@ def optimize(
     ``example_batch = (inputs, target)``; without, an inference step on ``example_batch``.
     ``allocator="views"`` keeps the outputs of ops without an arena kernel out of the arena
     (the allocator holds them); ``"replay"`` plans one pool, as the planned allocator serves
-    every allocation.
+    every allocation. ``recompute_copies`` runs a forward copy (``cat``, ``clone``) again in
+    the backward where that lowers the peak: same bits, a copy's worth of time.
     """
     if optimizer is None:
         capture = capture_infer_step(model, example_batch)
     else:
         if loss_fn is None:
             raise TypeError("a training step needs loss_fn(output, target)")
-        capture = capture_train_step(model, optimizer, loss_fn, example_batch)
+        capture = capture_train_step(model, optimizer, loss_fn, example_batch, recompute_copies=recompute_copies)
     groups = optimizer_update_groups(capture) if capture.mode == "train" else []
     plan = make_plan(
         capture.graph,
@@ -57,6 +59,7 @@ def optimize(
         atomic_groups=groups,
         allocator_tensors=allocator_tensors(capture) if allocator == "views" else frozenset(),
     )
+    plan.report["recomputed_copies"] = list(capture.recomputed)
     return capture, plan
 
 
@@ -86,6 +89,7 @@ class CompiledStep:
         time_limit_seconds: float = 10.0,
         reorder: bool = True,
         allocator: str = "auto",
+        recompute_copies: bool = True,
     ) -> None:
         on_cpu = all(t.device.type == "cpu" for t in [*model.parameters(), *model.buffers()])
         if allocator == "replay" and not on_cpu:
@@ -96,6 +100,7 @@ class CompiledStep:
         self.loss_fn = loss_fn
         self.time_limit_seconds = time_limit_seconds
         self.reorder = reorder
+        self.recompute_copies = recompute_copies
         self.runners: dict[tuple, StepRunner | ReplayedStep] = {}
         self.plans: dict[tuple, MemoryPlan] = {}
 
@@ -114,6 +119,7 @@ class CompiledStep:
                 time_limit_seconds=self.time_limit_seconds,
                 reorder=self.reorder,
                 allocator=self.allocator,
+                recompute_copies=self.recompute_copies,
             )
             self.plans[key] = plan
             if self.allocator == "replay":
@@ -148,11 +154,20 @@ def compile_step(
     time_limit_seconds: float = 10.0,
     reorder: bool = True,
     allocator: str = "auto",
+    recompute_copies: bool = True,
 ) -> CompiledStep:
     """Plan ``loss = loss_fn(model(inputs), target); loss.backward(); optimizer.step();
-    optimizer.zero_grad(set_to_none=True)`` and return it as a callable ``step(batch)``."""
+    optimizer.zero_grad(set_to_none=True)`` and return it as a callable ``step(batch)``.
+    ``recompute_copies=False`` keeps every forward copy instead of running it again in the
+    backward (:mod:`memplan.torch.recompute`)."""
     step = CompiledStep(
-        model, optimizer, loss_fn, time_limit_seconds=time_limit_seconds, reorder=reorder, allocator=allocator
+        model,
+        optimizer,
+        loss_fn,
+        time_limit_seconds=time_limit_seconds,
+        reorder=reorder,
+        allocator=allocator,
+        recompute_copies=recompute_copies,
     )
     step.runner_for(example_batch)
     return step

@@ -60,6 +60,7 @@ class Capture:
     op_phase: list[str] = field(default_factory=list)  # "input", "forward", "backward", "optimizer"
     grad_storage_by_param: dict[str, int] = field(default_factory=dict)  # param name -> storage key
     batch_spec: Any = None  # pytree spec of the flattened batch the step takes
+    recomputed: list[str] = field(default_factory=list)  # copies run again in the backward (recompute.py)
 
 
 def call_model(model: torch.nn.Module, inputs: Any) -> Any:
@@ -78,13 +79,15 @@ def capture_train_step(
     batch: tuple[Any, Any],
     *,
     name: str = "",
+    recompute_copies: bool = False,
 ) -> Capture:
     """Capture ``loss = loss_fn(model(inputs), target); loss.backward(); optimizer.step();
     optimizer.zero_grad(set_to_none=True)`` for ``batch = (inputs, target)``.
 
     The user's model and optimizer are never modified: capture runs on fake copies. The
     steady-state step is captured: if the optimizer has no state yet (it is created lazily by
-    the first ``step()``), one fake step creates it first.
+    the first ``step()``), one fake step creates it first. ``recompute_copies`` runs copies
+    again in the backward where that lowers the peak (:mod:`memplan.torch.recompute`).
     """
     model, optimizer, batch, mode = _fake_setup(model, optimizer, batch)
 
@@ -109,8 +112,15 @@ def capture_train_step(
         gm = _trace(step, flat)
     finally:
         grads.remove()
+    recomputed: list[str] = []
+    if recompute_copies:
+        from memplan.torch.recompute import recompute_copies as recompute
+
+        recomputed = recompute(gm, lambda g: _to_capture(g, categories, grads.storages, "train", 0.0, name).graph)
+        gm.recompile()
     seconds = time.perf_counter() - start
     capture = _to_capture(gm, categories, grads.storages, "train", seconds, name)
+    capture.recomputed = recomputed
     capture.grad_storage_by_param = dict(grads.by_param)
     capture.batch_spec = spec
     return capture

@@ -64,6 +64,7 @@ def compare_with_eager(
     time_limit_seconds: float = 10.0,
     seed: int = 0,
     allocator: str = "auto",
+    recompute_copies: bool = True,
 ) -> dict[str, Any]:
     """The report of ``memplan run``: numerics, measured peak bytes and step seconds of both."""
     w = build_workload(model_name, batch_size, seed=seed)
@@ -83,6 +84,7 @@ def compare_with_eager(
         w.loss_fn if train else None,
         time_limit_seconds=time_limit_seconds,
         allocator=allocator,
+        recompute_copies=recompute_copies,
     )
     runner = step.runner_for(batch)
     plan_seconds = time.perf_counter() - start
