@@ -23,6 +23,7 @@ from memplan.graph.ir import Graph
 from memplan.graph.liveness import peak_bytes
 
 COPY_OPS = frozenset({"aten::cat", "aten::stack", "aten::clone"})
+MAX_TRIED = 16  # each try rebuilds the graph: the largest copies are the ones that can matter
 
 
 def recompute_copies(gm: torch.fx.GraphModule, to_graph: Callable[[torch.fx.GraphModule], Graph]) -> list[str]:
@@ -35,7 +36,7 @@ def recompute_copies(gm: torch.fx.GraphModule, to_graph: Callable[[torch.fx.Grap
     position = {node: i for i, node in enumerate(nodes)}
     best = _program_peak(gm, to_graph)
     recomputed: list[str] = []
-    for node in sorted(_candidates(nodes, position, start), key=_size, reverse=True):
+    for node in sorted(_candidates(nodes, position, start), key=_size, reverse=True)[:MAX_TRIED]:
         if _inputs_written_before(node, position, start, nodes):
             continue
         twin, readers = _add_twin(gm, node, position, start)
