@@ -11,9 +11,11 @@ capacity) and below by :func:`lower_bound_bytes`.
 As in OLLA 4.5 (Function 5) a first solve fixes a pyramid of nested long-lived buffers,
 which shrinks the model; a second solve without it can prove optimality or infeasibility.
 Both are hinted with the best placement so far, and the result is never worse than it.
-Before them, on interval problems, :func:`memplan.placement.repair.reach_bound` spends up to
-:data:`REPAIR_SHARE` of the time on peak-anchored packing and top-band repair at capacity =
-lower bound, which closes most near-misses in a second or two. Every stage is budgeted by
+Before them, on interval problems, :func:`memplan.placement.rolling.roll_from_peak` spends up
+to :data:`ROLL_SHARE` of the time rolling exact windows outward from the peak at capacity =
+lower bound, then :func:`memplan.placement.repair.reach_bound` the rest of
+:data:`REPAIR_SHARE` on peak-anchored packing and top-band repair; together they close most
+near-misses in a second or two. Every stage is budgeted by
 the wall clock from the call's start (portfolio and model building included): a stage gets
 the time really left, and one with too little left is skipped, so ``time_limit_seconds`` is
 honoured to within a CP-SAT model load.
@@ -32,9 +34,12 @@ from memplan.placement.heuristics import Blocks, make_blocks, portfolio, pyramid
 from memplan.placement.problem import Placement, PlacementProblem, arena_bytes
 from memplan.placement.repair import applies as repair_applies
 from memplan.placement.repair import reach_bound
+from memplan.placement.rolling import roll_from_peak
 from memplan.solvers import SolveStatus, solve_cp_sat
 
-# Share of the time limit given to memplan.placement.repair before the CP-SAT solves.
+# Share of the time limit given to memplan.placement.rolling, then (with what it left) to
+# memplan.placement.repair, before the CP-SAT solves.
+ROLL_SHARE = 0.4
 REPAIR_SHARE = 0.7
 # A CP-SAT stage is skipped when fewer seconds than this are left: loading a model of
 # thousands of rectangles alone takes a good part of a second.
@@ -197,8 +202,12 @@ def solve_exact(
     unit = blocks.unit_bytes
     repaired = repair and repair_applies(problem)
     if repaired:
-        budget = min(REPAIR_SHARE * time_limit_seconds, _left(deadline))
-        best, unreachable = reach_bound(problem, best, budget, workers)
+        rolled, unreachable = roll_from_peak(problem, min(ROLL_SHARE * time_limit_seconds, _left(deadline)), workers)
+        if rolled is not None:
+            return _restamp(rolled, rolled.method, "optimal", t0, bound)
+        budget = min(REPAIR_SHARE * time_limit_seconds - (time.perf_counter() - t0), _left(deadline))
+        if not unreachable:
+            best, unreachable = reach_bound(problem, best, max(0.0, budget), workers)
         if best.arena_bytes <= bound:
             return _restamp(best, best.method, "optimal", t0, bound)
         bound += unit if unreachable else 0  # a peak window proved that the bound cannot be met

@@ -1,0 +1,88 @@
+"""Exact windows rolled outward from the peak (memplan.placement.rolling)."""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import replace
+
+from memplan.placement import PlacementProblem, place, portfolio, solve_exact, validate_placement
+from memplan.placement.generate import guillotine_rectangles
+from memplan.placement.rolling import roll_from_peak
+
+# A 40-step x 8-unit rectangle cut guillotine style into 14 buffers (guillotine_rectangles,
+# seed 101, written out): it packs with no gap, so the optimum is the lower bound 8, but
+# every heuristic of the portfolio needs 10 (the two 8-unit buffers at the end and the
+# 4-unit one before them block what greedy builds below them).
+SIZES = (4, 2, 1, 1, 2, 2, 1, 1, 2, 1, 1, 4, 8, 8)
+LIVES = (
+    (0, 6),
+    (6, 16),
+    (16, 35),
+    (16, 35),
+    (6, 28),
+    (28, 35),
+    (0, 11),
+    (11, 29),
+    (0, 29),
+    (0, 8),
+    (8, 29),
+    (29, 35),
+    (35, 37),
+    (37, 40),
+)
+
+
+def heuristics_miss() -> PlacementProblem:
+    return PlacementProblem.from_intervals(SIZES, LIVES)
+
+
+def test_heuristics_miss_the_bound_on_the_hand_made_instance() -> None:
+    problem = heuristics_miss()
+    assert problem.lower_bound_bytes == 8
+    assert portfolio(problem).arena_bytes > 8
+
+
+def test_roll_reaches_the_bound_where_the_heuristics_miss() -> None:
+    problem = heuristics_miss()
+    # A one-step first window forces the roll to extend it several times.
+    placement, unreachable = roll_from_peak(problem, 10.0, workers=1, half_widths=(1,))
+    assert not unreachable
+    assert placement is not None
+    validate_placement(problem, placement)
+    assert placement.arena_bytes == problem.lower_bound_bytes == 8
+    assert placement.arena_bytes == max(o + s for o, s in zip(placement.offsets_bytes, SIZES, strict=True))
+    assert placement.status == "optimal"
+    calls = re.search(r",(\d+) cp-sat", placement.method)
+    assert calls is not None and int(calls.group(1)) > 1
+
+
+def test_place_uses_the_roll_and_validates_at_capacity() -> None:
+    problem = replace(heuristics_miss(), capacity_bytes=8)
+    placement = place(problem, time_limit_seconds=10.0, workers=1)
+    validate_placement(problem, placement)
+    assert placement.arena_bytes == 8
+    assert placement.status == "optimal"
+
+
+def test_roll_with_no_time_gives_up_cleanly() -> None:
+    problem = heuristics_miss()
+    placement, unreachable = roll_from_peak(problem, 0.0)
+    assert placement is None and not unreachable
+    # The whole solver with almost no time still returns a valid placement.
+    quick = solve_exact(problem, 0.01, workers=1)
+    validate_placement(problem, quick)
+
+
+def test_roll_results_always_validate_on_random_perfect_packings() -> None:
+    for seed in range(20):
+        rng = random.Random(seed)
+        rects = guillotine_rectangles(rng, 16, 30, 8)
+        problem = PlacementProblem.from_intervals(
+            [y1 - y0 for *_, y0, y1 in rects], [(t0, t1) for t0, t1, *_ in rects], alignment_bytes=1
+        )
+        placement, unreachable = roll_from_peak(problem, 2.0, workers=1, half_widths=(1, 2))
+        assert not unreachable  # the cut itself reaches the bound
+        if placement is not None:
+            validate_placement(problem, placement)
+            assert placement.arena_bytes == problem.lower_bound_bytes
