@@ -109,7 +109,9 @@ class ReplayedStep:
         solved = place(problem, time_limit_seconds=self.time_limit_seconds)
         validate_placement(problem, solved)
         offsets = {k: solved.offsets_bytes[i] for i, k in enumerate(indices)}
-        self.arena = torch.empty(solved.arena_bytes, dtype=torch.uint8)
+        # zeros, not empty: the OS maps the pages now, in this untimed planning step, rather
+        # than on first touch in the first replayed step
+        self.arena = torch.zeros(solved.arena_bytes, dtype=torch.uint8)
         self.plan = allocator.replay_plan(trace, offsets, solved.arena_bytes)
         self.placement = ArenaPlacement(
             solved.arena_bytes,

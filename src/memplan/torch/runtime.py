@@ -111,7 +111,8 @@ class StepRunner:
         self.graph = capture.graph
         self.nodes = {n.name: n for n in capture.gm.graph.nodes}
         self._check_plan()
-        self.arena = torch.empty(plan.arena_bytes, dtype=torch.uint8, device=device)
+        # zeros, not empty: the pages are mapped now, not on first touch in the first step
+        self.arena = torch.zeros(plan.arena_bytes, dtype=torch.uint8, device=device)
         self.instructions = self._compile()
         self.last_use = self._last_uses()
         self._frees = self._free_schedule()
