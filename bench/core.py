@@ -1,6 +1,6 @@
 """Speed of the framework-free core on large random graphs (no torch).
 
-    python bench/core.py          # writes bench/results/core.md
+python bench/core.py          # writes bench/results/core.md
 """
 
 from __future__ import annotations

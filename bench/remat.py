@@ -45,8 +45,10 @@ def run_model(name: str, batch_size: int, budgets: int, time_limit: float, worke
         cells = [_cell(s[n]) for n in STRATEGIES]
         cm = s["checkmate"]
         gap = "-" if cm["gap"] is None else f"{cm['gap']:.3f}"
-        lines.append(f"| {r['budget_bytes'] / 2**20:.1f} | " + " | ".join(cells) + f" | {cm['status']} | "
-                     f"{cm['seconds']:.1f} | {gap} |")
+        lines.append(
+            f"| {r['budget_bytes'] / 2**20:.1f} | " + " | ".join(cells) + f" | {cm['status']} | "
+            f"{cm['seconds']:.1f} | {gap} |"
+        )
         feasible = [v["overhead"] for n, v in s.items() if n != "checkmate" and v["feasible"]]
         stats["budgets"] += 1
         stats["not_worse"] += int(not feasible or (cm["feasible"] and cm["overhead"] <= min(feasible) + 1e-12))
@@ -85,8 +87,10 @@ def main() -> None:
         print(f"{name} ...", flush=True)
         model_lines, stats = run_model(name, args.batch_size, args.budgets, args.time_limit, args.workers)
         lines += model_lines
-        summary.append(f"- {name}: checkmate <= every baseline at {stats['not_worse']}/{stats['budgets']} budgets; "
-                       f"the MILP's own plan (not a fallback) at {stats['own']}/{stats['budgets']}")
+        summary.append(
+            f"- {name}: checkmate <= every baseline at {stats['not_worse']}/{stats['budgets']} budgets; "
+            f"the MILP's own plan (not a fallback) at {stats['own']}/{stats['budgets']}"
+        )
     lines[4:4] = ["## Summary", "", *summary, ""]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(summary))
