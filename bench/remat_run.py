@@ -5,7 +5,7 @@ steps with the plan and K steps eagerly from the same state and seed, and report
 peak (``sequence_peak_bytes``), the measured peak (resident parameters, buffers, optimizer
 state and batch plus the CPU allocator's peak), their ratio, the compute overhead and the
 largest difference in loss, parameters and buffers. By default the plan budgets for each op's
-measured workspace (kernel scratch beyond its outputs, :mod:`memplan.torch.profile`), and the
+measured workspace (kernel scratch beyond its outputs, :mod:`memplan.torch.run.profile`), and the
 planned peak counts it; ``--no-workspace`` plans on the captured graph alone. Optionally, PyTorch's own
 ``activation_memory_budget`` partitioner (torch.compile, aot_eager backend) on the same step.
 
@@ -30,7 +30,7 @@ MIB = 2**20
 
 
 def run_config(model: str, batch: int, budget: float, strategy: str, steps: int, workspace: bool) -> dict[str, Any]:
-    from memplan.torch.remat_runtime import compare_remat_with_eager
+    from memplan.torch.run.remat import compare_remat_with_eager
 
     return compare_remat_with_eager(model, batch, budget, strategy, steps, workspace=workspace)
 
@@ -100,7 +100,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=None, help="subset of the configured models")
     parser.add_argument("--torch-budget", action="store_true", help="also run torch's activation_memory_budget")
     parser.add_argument(
-        "--no-workspace", action="store_true", help="plan without the measured per-op scratch (memplan.torch.profile)"
+        "--no-workspace",
+        action="store_true",
+        help="plan without the measured per-op scratch (torch/run/profile.py)",
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

@@ -107,7 +107,7 @@ def main() -> None:
     lines += ["", *NOTES]
     recomputed = [r for r in reports if r["plan"].get("recomputed_copies")]
     if recomputed:
-        lines += ["", "Copies run again in the backward instead of kept (`memplan.torch.recompute`):", ""]
+        lines += ["", "Copies run again in the backward instead of kept (`memplan.torch.capture.recompute`):", ""]
         lines += [f"- {r['model']}: {', '.join(r['plan']['recomputed_copies'])}" for r in recomputed]
     copied = [r for r in reports if r["memplan"]["copied_ops"]]
     if copied:

@@ -21,8 +21,8 @@ import torch
 from memplan.errors import MemplanError
 from memplan.pipeline import MemoryPlan, make_plan
 from memplan.torch.capture import Capture, capture_infer_step, capture_train_step
-from memplan.torch.replay import ReplayedStep
-from memplan.torch.runtime import Plan, StepRunner, allocator_tensors, optimizer_update_groups
+from memplan.torch.run.interpreter import Plan, StepRunner, allocator_tensors, optimizer_update_groups
+from memplan.torch.run.replay import ReplayedStep
 
 
 def optimize(
@@ -72,7 +72,7 @@ def resolve_allocator(name: str) -> str:
         raise MemplanError(f"unknown allocator {name!r}; choose one of {', '.join(ALLOCATORS)}")
     if name != "auto":
         return name
-    from memplan.torch import allocator
+    from memplan.torch.run import allocator
 
     return "replay" if allocator.available() else "views"
 
@@ -159,7 +159,7 @@ def compile_step(
     """Plan ``loss = loss_fn(model(inputs), target); loss.backward(); optimizer.step();
     optimizer.zero_grad(set_to_none=True)`` and return it as a callable ``step(batch)``.
     ``recompute_copies=False`` keeps every forward copy instead of running it again in the
-    backward (:mod:`memplan.torch.recompute`)."""
+    backward (:mod:`memplan.torch.capture.recompute`)."""
     step = CompiledStep(
         model,
         optimizer,

@@ -6,8 +6,8 @@ import pytest
 
 import torch
 from memplan.placement import validate_placement
-from memplan.torch import allocator
-from memplan.torch.replay import ReplayedStep, placement_problem
+from memplan.torch.run import allocator
+from memplan.torch.run.replay import ReplayedStep, placement_problem
 
 pytestmark = pytest.mark.skipif(
     not allocator.available(), reason="no C++ compiler here: the planned allocator cannot be built"

@@ -1,9 +1,9 @@
-"""Measured op costs and workspace (memplan.torch.profile)."""
+"""Measured op costs and workspace (memplan.torch.run.profile)."""
 
 from __future__ import annotations
 
 from memplan.graph.ir import Graph, Op, Tensor, TensorId
-from memplan.torch.profile import SPAN_PREFIX, profile_model, workspace_from_trace
+from memplan.torch.run.profile import SPAN_PREFIX, profile_model, workspace_from_trace
 
 
 def _memory(ts: float, delta: int, total: int) -> dict:

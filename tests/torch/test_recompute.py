@@ -1,4 +1,4 @@
-"""Copies recomputed in the backward (memplan.torch.recompute): lower peak, same bits."""
+"""Copies recomputed in the backward (memplan.torch.capture.recompute): lower peak, same bits."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import memplan
 import torch
 from memplan.graph.liveness import peak_bytes
-from memplan.torch.allocator import available as allocator_available
 from memplan.torch.capture import capture_train_step
 from memplan.torch.compare import compare_with_eager
+from memplan.torch.run.allocator import available as allocator_available
 from memplan.torch.zoo import build_workload, make_optimizer
 from torch import nn
 

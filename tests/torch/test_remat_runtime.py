@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import torch
-from memplan.torch.remat_runtime import batch_norm_recompute, compare_remat_with_eager
+from memplan.torch.run.remat import batch_norm_recompute, compare_remat_with_eager
 
 PEAK_TOLERANCE = 0.05
 
@@ -27,7 +27,7 @@ def test_batch_norm_recompute_is_bitwise_and_leaves_running_stats_alone(channels
     assert torch.equal(mean, mean_after) and torch.equal(var, var_after)  # the recompute wrote nothing
 
 
-# The plan budgets for each op's measured workspace (memplan.torch.profile): without it,
+# The plan budgets for each op's measured workspace (memplan.torch.run.profile): without it,
 # VGG-16's peak falls inside a convolution_backward whose oneDNN kernel reorders operands and
 # weights into blocked layouts, scratch the captured graph does not have (+8.3% at batch 64).
 @pytest.mark.parametrize(

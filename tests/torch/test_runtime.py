@@ -9,8 +9,8 @@ import pytest
 import memplan
 import torch
 from memplan.errors import MemplanError
-from memplan.torch.allocator import available as allocator_available
 from memplan.torch.compare import compare_with_eager
+from memplan.torch.run.allocator import available as allocator_available
 from memplan.torch.zoo import build_workload, make_optimizer
 
 CASES = [("mlp", 8, "adam"), ("vgg16", 4, "sgd"), ("gpt2-2l", 1, "adamw"), ("resnet50", 2, "sgd")]
@@ -96,7 +96,7 @@ def test_a_runner_refuses_a_batch_of_another_shape():
 
 @pytest.mark.parametrize("padding_idx", [-1, 0, 7])
 def test_arena_embedding_backward_is_bitwise_the_cpu_kernel(padding_idx):
-    from memplan.torch.runtime import ARENA_KERNELS
+    from memplan.torch.run.interpreter import ARENA_KERNELS
 
     torch.manual_seed(padding_idx + 5)
     grad, indices = torch.randn(4, 300, 32), torch.randint(0, 50, (4, 300))
@@ -116,7 +116,7 @@ ROWWISE_CASES = [((8, 4, 16, 16), 1), ((32, 1000), 1), ((2, 12, 64, 64), -1), ((
 def test_rowwise_kernels_written_over_their_input_give_the_same_bits(shape, dim):
     """The runtime's in-place sharing (INPLACE_ROWWISE) relies on these kernels reading each
     element before writing it: out= over either input must equal the functional kernel."""
-    from memplan.torch.runtime import INPLACE_ROWWISE
+    from memplan.torch.run.interpreter import INPLACE_ROWWISE
 
     aten = torch.ops.aten
     torch.manual_seed(0)

@@ -165,7 +165,7 @@ class ProblemInputs:
         if self.cost == "flops" and not self.workspace:
             graph = load_source(self.source, batch_size=batch, mode="train", optimizer=self.optimizer)
             return RematProblem(graph, budget_bytes, time_limit_seconds=time_limit)
-        from memplan.torch.profile import profile_model
+        from memplan.torch.run.profile import profile_model
 
         repeats = 3 if self.cost == "profile" else 0
         capture, profile = profile_model(self.source, batch, self.optimizer, repeats=repeats, workspace=self.workspace)
@@ -185,7 +185,7 @@ def _run(source: str, batch_size: int, optimizer: str, plans: dict[str, Any], pr
     if not feasible:
         raise MemplanError("--run: no strategy has a plan within the budget")
     best = min(feasible, key=lambda p: (p.compute_cost, p.peak_bytes))
-    from memplan.torch.remat_runtime import compare_remat_with_eager
+    from memplan.torch.run.remat import compare_remat_with_eager
 
     return compare_remat_with_eager(
         source,

@@ -14,8 +14,8 @@ from memplan.errors import MemplanError
 from memplan.pipeline import MemoryPlan
 from memplan.torch.capture import call_model
 from memplan.torch.measure import allocator_peak_bytes, optimizer_state_tensors, resident_bytes
-from memplan.torch.replay import MAX_RECORDINGS, ReplayedStep
-from memplan.torch.runtime import StepRunner
+from memplan.torch.run.interpreter import StepRunner
+from memplan.torch.run.replay import MAX_RECORDINGS, ReplayedStep
 from memplan.torch.zoo import Workload, build_workload, make_optimizer
 
 

@@ -25,7 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import torch
 from memplan.errors import MemplanError, UnsupportedOp
 from memplan.graph.ir import Graph, TensorId
-from memplan.torch.capture import Capture, _storage_key
+from memplan.torch.capture import Capture
+from memplan.torch.tensors import storage_key, tensor_leaves
 
 ARENA_ALIGNMENT_BYTES = 64
 _EMPTY_FACTORIES = {"aten::empty_like", "aten::empty", "aten::empty_strided", "aten::new_empty"}
@@ -165,7 +166,7 @@ class StepRunner:
             return _Call(position, node, fresh, "plain")
         if node.target._schema.name in _EMPTY_FACTORIES and len(fresh) == 1:
             return _Call(position, node, fresh, "empty")
-        out_op, names = _real_out_variant(node.target, len(_tensor_leaves(node.meta.get("val"))))
+        out_op, names = _real_out_variant(node.target, len(tensor_leaves(node.meta.get("val"))))
         if out_op is not None and len(fresh) == len(names):
             return _Call(position, node, fresh, "out", out_op, names)
         kernel = ARENA_KERNELS.get(node.target._schema.name)
@@ -175,11 +176,11 @@ class StepRunner:
 
     def _fresh_outputs(self, op_id: int, node: torch.fx.Node) -> list[_Output]:
         """The op's outputs that are new storages (views and in-place results are not)."""
-        leaves = _tensor_leaves(node.meta.get("val"))
+        leaves = tensor_leaves(node.meta.get("val"))
         tensor_of = self.capture.tensor_of_storage
         outputs = []
         for index, leaf in enumerate(leaves):
-            t = tensor_of.get(_storage_key(leaf))
+            t = tensor_of.get(storage_key(leaf))
             if t is not None and self.graph.producer[t] == op_id and self.graph.tensors[t].size_bytes > 0:
                 outputs.append(_Output(index, t, self.plan.offsets.get(t), leaf))
         return outputs
@@ -225,8 +226,8 @@ class StepRunner:
         """Storage key -> the last position at which any value on it is read."""
         last: dict[int, int] = {}
         for name, position in self.last_use.items():
-            for leaf in _tensor_leaves(self.nodes[name].meta.get("val")):
-                key = _storage_key(leaf)
+            for leaf in tensor_leaves(self.nodes[name].meta.get("val")):
+                key = storage_key(leaf)
                 last[key] = max(last.get(key, -1), position)
         return last
 
@@ -239,12 +240,12 @@ class StepRunner:
             return None
         if _real_out_variant(node.target, 1)[0] is None:
             return None
-        keys = [_storage_key(v) for a in _arg_nodes(node) for v in _tensor_leaves(a.meta.get("val"))]
+        keys = [storage_key(v) for a in _arg_nodes(node) for v in tensor_leaves(a.meta.get("val"))]
         for index, arg in enumerate(node.args):
             value = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
             if not isinstance(value, torch.Tensor) or not _same_dense_layout(value, out):
                 continue
-            key = _storage_key(value)
+            key = storage_key(value)
             t = self.capture.tensor_of_storage.get(key)
             if t is None or self.graph.tensors[t].persistent or storage_last.get(key) != ins.position:
                 continue
@@ -308,7 +309,7 @@ class StepRunner:
 
     def _real_attr(self, node: torch.fx.Node) -> Any:
         fake = getattr(self.capture.gm, node.target)
-        t = self.capture.tensor_of_storage.get(_storage_key(fake))
+        t = self.capture.tensor_of_storage.get(storage_key(fake))
         name = self.graph.tensors[t].name if t is not None else ""
         kind, _, key = name.partition(":")
         if kind == "param":
@@ -348,7 +349,7 @@ class StepRunner:
             self.stats.out_bytes += _nbytes(ins.fresh[0])
             return views[ins.fresh[0].index]
         result = func(*args, **kwargs)
-        leaves = _tensor_leaves(result)
+        leaves = tensor_leaves(result)
         for o in ins.fresh:
             if o.offset is not None:
                 views[o.index].copy_(leaves[o.index])
@@ -417,9 +418,9 @@ class _ReplayIntoArena(TorchDispatchMode):
             return self.runner._place_call(ins, func, args, kwargs)
         self.next = len(self.traced)  # diverged: stop replaying
         result = func(*args, **kwargs)
-        inputs = {t.untyped_storage()._cdata for t in _tensor_leaves((args, kwargs))}
+        inputs = {t.untyped_storage()._cdata for t in tensor_leaves((args, kwargs))}
         self.runner.stats.allocator_bytes += sum(
-            t.untyped_storage().nbytes() for t in _tensor_leaves(result) if t.untyped_storage()._cdata not in inputs
+            t.untyped_storage().nbytes() for t in tensor_leaves(result) if t.untyped_storage()._cdata not in inputs
         )
         return result
 
@@ -451,7 +452,7 @@ def _writes_into_arena(node: torch.fx.Node, num_fresh: int) -> bool:
     kernel = ARENA_KERNELS.get(name)
     if kernel is not None and num_fresh == 1 and kernel.applies(node.args):
         return True
-    out_op, names = _real_out_variant(node.target, len(_tensor_leaves(node.meta.get("val"))))
+    out_op, names = _real_out_variant(node.target, len(tensor_leaves(node.meta.get("val"))))
     return out_op is not None and len(names) == num_fresh
 
 
@@ -514,7 +515,7 @@ def _find_grad_node(nodes: Sequence[torch.fx.Node], grad_key: int | None) -> str
     for node in nodes:
         for arg in _arg_nodes(node):
             val = arg.meta.get("val")
-            if isinstance(val, torch.Tensor) and _storage_key(val) == grad_key:
+            if isinstance(val, torch.Tensor) and storage_key(val) == grad_key:
                 return arg.name
     return None
 
@@ -621,10 +622,6 @@ def _scratch_bytes(ins: _Call, args: Any) -> int:
     if position is not None and isinstance(args[position], torch.Tensor):
         scratch += args[position].untyped_storage().nbytes()
     return scratch
-
-
-def _tensor_leaves(value: Any) -> list[Any]:
-    return [x for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor)]
 
 
 def _nbytes(output: _Output) -> int:

@@ -5,7 +5,7 @@ allocations of later steps at their planned offsets.
 The allocator itself is a small C++ library (``csrc/planned_allocator.cpp``) installed in front
 of PyTorch's CPU allocator; it is compiled on first use with the system's C++ compiler against
 the installed torch's headers and cached. Without a compiler, :func:`load` raises
-:class:`AllocatorUnavailable` and callers fall back to arena views (``memplan.torch.runtime``).
+:class:`AllocatorUnavailable` and callers fall back to arena views (``memplan.torch.run.interpreter``).
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ import torch.fx
 import torch
 from memplan.graph.ir import Graph
 from memplan.graph.liveness import peak_bytes
+from memplan.torch.capture.marks import BACKWARD_MARK
+from memplan.torch.tensors import storage_key, tensor_leaves, written_storages
 
 COPY_OPS = frozenset({"aten::cat", "aten::stack", "aten::clone"})
 MAX_TRIED = 16  # each try rebuilds the graph: the largest copies are the ones that can matter
@@ -50,7 +52,6 @@ def recompute_copies(gm: torch.fx.GraphModule, to_graph: Callable[[torch.fx.Grap
 
 
 def _backward_start(nodes: list[torch.fx.Node]) -> int | None:
-    from memplan.torch.capture import BACKWARD_MARK
 
     for i, node in enumerate(nodes):
         if node.op == "call_function" and node.args and node.args[0] == BACKWARD_MARK:
@@ -77,13 +78,12 @@ def _size(node: torch.fx.Node) -> int:
 
 def _inputs_written_before(node: torch.fx.Node, position: dict, start: int, nodes: list[torch.fx.Node]) -> bool:
     """Whether an op between ``node`` and its first backward reader writes one of its inputs."""
-    from memplan.torch.capture import _storage_key, _tensor_leaves, _written_storages
 
-    keys = {_storage_key(t) for a in node.all_input_nodes for t in _tensor_leaves(a.meta.get("val"))}
+    keys = {storage_key(t) for a in node.all_input_nodes for t in tensor_leaves(a.meta.get("val"))}
     first_backward = min(position[u] for u in node.users if position[u] > start)
     between = nodes[position[node] + 1 : first_backward]
     ops = [n for n in between if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
-    return any(keys.intersection(_written_storages(n)) for n in ops)
+    return any(keys.intersection(written_storages(n)) for n in ops)
 
 
 def _add_twin(

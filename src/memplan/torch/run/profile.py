@@ -37,8 +37,8 @@ import torch
 from memplan.graph.ir import Graph
 from memplan.remat.lower import steps_for_order
 from memplan.torch.capture import Capture
-from memplan.torch.remat_runtime import RematRunner
-from memplan.torch.runtime import _Call, _Update
+from memplan.torch.run.interpreter import _Call, _Update
+from memplan.torch.run.remat import RematRunner
 
 SPAN_PREFIX = "memplan.op."
 

@@ -6,7 +6,7 @@ until two consecutive recordings request the same allocations (the first steps c
 optimizer's state lazily), the offsets of every allocation the step frees are solved as one
 placement problem (lifetimes in event time, ``memplan.placement``), validated, and later steps
 are replayed with each allocation served at its offset by the planned CPU allocator
-(``memplan.torch.allocator``). Kernels write their outputs where they would anyway, so no
+(``memplan.torch.run.allocator``). Kernels write their outputs where they would anyway, so no
 output is copied and oneDNN's scratch lands in the arena too.
 """
 
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from memplan.errors import MemplanError
 from memplan.placement import PlacementProblem, place, validate_placement
-from memplan.torch import allocator
-from memplan.torch.allocator import AllocationTrace, ReplayPlan, ReplayStats
+from memplan.torch.run import allocator
+from memplan.torch.run.allocator import AllocationTrace, ReplayPlan, ReplayStats
 
 MAX_RECORDINGS = 4
 

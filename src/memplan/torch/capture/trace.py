@@ -24,26 +24,18 @@ from typing import Any
 
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
 import torch
 from memplan.errors import CaptureError, DataDependentControlFlow, DynamicShape, UnsupportedOp
 from memplan.graph.check import validate_graph
 from memplan.graph.ir import Category, Graph, Op, OpId, Tensor, TensorId
-from memplan.torch.fake import fake_clone_module, fake_clone_optimizer, fake_mode_of
+from memplan.torch.capture.fake import fake_clone_module, fake_clone_optimizer, fake_mode_of
+from memplan.torch.capture.marks import BACKWARD_MARK, RELEASE_KIND
+from memplan.torch.tensors import is_random, storage_key, tensor_leaves, written_storages
 
-BACKWARD_MARK = "memplan::backward"
-RELEASE_KIND = "memplan.release"
 LossFn = Callable[[Any, Any], torch.Tensor]
 
-# Ops that write an argument although their schema does not mark it (running statistics).
-_HIDDEN_WRITES: dict[str, tuple[int, ...]] = {
-    "aten::native_batch_norm": (3, 4),
-    "aten::_native_batch_norm_legit": (3, 4),
-    "aten::cudnn_batch_norm": (3, 4),
-    "aten::miopen_batch_norm": (3, 4),
-}
 _SKIPPED_NAMESPACES = ("profiler",)
 
 
@@ -87,7 +79,7 @@ def capture_train_step(
     The user's model and optimizer are never modified: capture runs on fake copies. The
     steady-state step is captured: if the optimizer has no state yet (it is created lazily by
     the first ``step()``), one fake step creates it first. ``recompute_copies`` runs copies
-    again in the backward where that lowers the peak (:mod:`memplan.torch.recompute`).
+    again in the backward where that lowers the peak (:mod:`memplan.torch.capture.recompute`).
     """
     model, optimizer, batch, mode = _fake_setup(model, optimizer, batch)
 
@@ -114,7 +106,7 @@ def capture_train_step(
         grads.remove()
     recomputed: list[str] = []
     if recompute_copies:
-        from memplan.torch.recompute import recompute_copies as recompute
+        from memplan.torch.capture.recompute import recompute_copies as recompute
 
         recomputed = recompute(gm, lambda g: _to_capture(g, categories, grads.storages, "train", 0.0, name).graph)
         gm.recompile()
@@ -191,7 +183,7 @@ class _GradRecorder:
 
     def _record(self, name: str, param: torch.Tensor) -> None:
         if param.grad is not None:
-            self.by_param[name] = _storage_key(param.grad)
+            self.by_param[name] = storage_key(param.grad)
 
     def remove(self) -> None:
         for h in self._handles:
@@ -202,21 +194,17 @@ def _persistent_categories(model: torch.nn.Module, optimizer: torch.optim.Optimi
     """``storage key -> (category, name)`` of every tensor that outlives the step."""
     out: dict[int, tuple] = {}
     for name, p in model.named_parameters(remove_duplicate=True):
-        out.setdefault(_storage_key(p), (Category.PARAMETER, f"param:{name}"))
+        out.setdefault(storage_key(p), (Category.PARAMETER, f"param:{name}"))
     for name, b in model.named_buffers(remove_duplicate=True):
-        out.setdefault(_storage_key(b), (Category.BUFFER, f"buffer:{name}"))
+        out.setdefault(storage_key(b), (Category.BUFFER, f"buffer:{name}"))
     if optimizer is not None:
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
         for p, state in optimizer.state.items():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
                     label = f"state:{names.get(id(p), 'param')}.{key}"
-                    out.setdefault(_storage_key(value), (Category.OPTIMIZER_STATE, label))
+                    out.setdefault(storage_key(value), (Category.OPTIMIZER_STATE, label))
     return out
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    return StorageWeakRef(t.untyped_storage()).cdata
 
 
 def _trace(step: Callable, flat: Sequence[torch.Tensor]) -> torch.fx.GraphModule:
@@ -298,8 +286,8 @@ class _Builder:
     # ---- nodes
     def placeholder(self, node: torch.fx.Node, value: Any, default: tuple) -> None:
         refs = []
-        for leaf in _tensor_leaves(value):
-            key = _storage_key(leaf)
+        for leaf in tensor_leaves(value):
+            key = storage_key(leaf)
             if key not in self.storage_tensor:
                 category, label = self.categories.get(key, default)
                 nbytes = leaf.untyped_storage().nbytes()
@@ -313,14 +301,14 @@ class _Builder:
         target = node.target
         kind = str(target)
         inputs, input_storages = self._inputs_of(node)
-        written = _written_storages(node)
+        written = written_storages(node)
         op_name = node.name
         outputs: list[TensorId] = []
         refs: list[tuple[TensorId, ...]] = []
         pending_new: list[tuple[int, int]] = []
-        for i, leaf in enumerate(_tensor_leaves(node.meta.get("val"))):
+        for i, leaf in enumerate(tensor_leaves(node.meta.get("val"))):
             _check_static(leaf, node)
-            key = _storage_key(leaf)
+            key = storage_key(leaf)
             suffix = "" if i == 0 else f".{i}"
             if key in self.storage_tensor:  # a view or an in-place result: an alias handle
                 handle = self.new_tensor(f"{op_name}{suffix}.alias", 0, Category.CONTROL)
@@ -336,7 +324,7 @@ class _Builder:
         for key, t in pending_new:
             self.storage_tensor[key] = t
         self._order_against_writes(op, input_storages, written)
-        if _is_random(target):
+        if is_random(target):
             if self.last_rng is not None:
                 self._add_input(op, self.control_of(self.last_rng))
             self.last_rng = op
@@ -355,8 +343,8 @@ class _Builder:
             if isinstance(arg, torch.fx.Node):
                 for ref in self.value_refs.get(arg.name, []):
                     inputs.extend(ref)
-                for leaf in _tensor_leaves(arg.meta.get("val")):
-                    storages.append(_storage_key(leaf))
+                for leaf in tensor_leaves(arg.meta.get("val")):
+                    storages.append(storage_key(leaf))
         return inputs, storages
 
     def _order_against_writes(self, op: OpId, read: list[int], written: list[int]) -> None:
@@ -412,7 +400,7 @@ def _to_capture(
             value = getattr(gm, node.target)
             if isinstance(value, torch.Tensor):
                 builder.placeholder(node, value, (Category.BUFFER, f"const:{node.target}"))
-                builder.value_refs[node.name] = [(builder.storage_tensor[_storage_key(value)],)]
+                builder.value_refs[node.name] = [(builder.storage_tensor[storage_key(value)],)]
         elif node.op == "call_function":
             _visit_call(builder, node)
         elif node.op == "output":
@@ -464,7 +452,7 @@ def op_flops(node: torch.fx.Node) -> int:
             return int(formula(*args, **kwargs, out_val=out))
         except Exception:  # a formula that cannot read these arguments: fall back to the default
             pass
-    return sum(t.numel() for t in _tensor_leaves(out))
+    return sum(t.numel() for t in tensor_leaves(out))
 
 
 def _conv_backward_flops(node: torch.fx.Node) -> int:
@@ -479,10 +467,6 @@ def _conv_backward_flops(node: torch.fx.Node) -> int:
     return int(forward * (int(output_mask[0]) + int(output_mask[1])))
 
 
-def _tensor_leaves(value: Any) -> list[torch.Tensor]:
-    return [x for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor)]
-
-
 def _leaf_position(value: Any, index: int) -> int | None:
     """Which tensor output of a multi-output op ``value[index]`` is (None: not a tensor)."""
     if not isinstance(value, (tuple, list)) or index >= len(value):
@@ -491,31 +475,6 @@ def _leaf_position(value: Any, index: int) -> int | None:
     if not isinstance(item, torch.Tensor):
         return None
     return sum(1 for x in value[:index] if isinstance(x, torch.Tensor))
-
-
-def _written_storages(node: torch.fx.Node) -> list[int]:
-    op = node.target
-    positions = list(_HIDDEN_WRITES.get(op._schema.name, ()))
-    if op._schema.name in _HIDDEN_WRITES and not _batch_norm_training(node):
-        positions = []
-    keys: list[int] = []
-    for i, arg in enumerate(op._schema.arguments):
-        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-        is_write = arg.alias_info is not None and arg.alias_info.is_write
-        if (is_write or i in positions) and value is not None:
-            for leaf in pytree.tree_leaves(value):
-                if isinstance(leaf, torch.fx.Node):
-                    keys.extend(_storage_key(t) for t in _tensor_leaves(leaf.meta.get("val")))
-    return list(dict.fromkeys(keys))
-
-
-def _batch_norm_training(node: torch.fx.Node) -> bool:
-    training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training", False)
-    return bool(training)
-
-
-def _is_random(target: Any) -> bool:
-    return torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
 
 
 def _check_static(t: torch.Tensor, node: torch.fx.Node) -> None:

@@ -27,8 +27,9 @@ from torch.utils import _pytree as pytree
 import torch
 from memplan.errors import MemplanError, UnsupportedOp
 from memplan.remat.problem import Step, recompute_skips_mutation
-from memplan.torch.capture import Capture, _storage_key, call_model
-from memplan.torch.runtime import Plan, StepRunner, _Call, _resolve, _Update
+from memplan.torch.capture import Capture, call_model
+from memplan.torch.run.interpreter import Plan, StepRunner, _Call, _resolve, _Update
+from memplan.torch.tensors import storage_key
 
 _NO_STATS = {
     "aten::native_batch_norm": lambda args: (*args[:3], None, None, *args[5:]),
@@ -79,7 +80,7 @@ class RematRunner(StepRunner):
             if node.op != "call_function":
                 continue
             for leaf in _leaves(node.meta.get("val")):
-                t = self.capture.tensor_of_storage.get(_storage_key(leaf))
+                t = self.capture.tensor_of_storage.get(storage_key(leaf))
                 if t is not None and not self.graph.tensors[t].persistent:
                     holders.setdefault(t, []).append(node.name)
         return holders
@@ -146,13 +147,13 @@ def _without_storage(value: Any, meta: Any, t: int, tensor_of: dict[int, int]) -
     """``value`` with the tensors whose traced storage is ``t`` replaced by None; None when
     nothing else is left in it."""
     if isinstance(value, torch.Tensor):
-        return None if tensor_of.get(_storage_key(meta)) == t else value
+        return None if tensor_of.get(storage_key(meta)) == t else value
     items, spec = pytree.tree_flatten(value)
     metas = pytree.tree_leaves(meta)
     if len(items) != len(metas):
         raise MemplanError("a value does not have the structure it was traced with")
     kept = [
-        None if isinstance(m, torch.Tensor) and tensor_of.get(_storage_key(m)) == t else x
+        None if isinstance(m, torch.Tensor) and tensor_of.get(storage_key(m)) == t else x
         for x, m in zip(items, metas, strict=True)
     ]
     if not any(isinstance(x, torch.Tensor) for x in kept):
@@ -191,7 +192,7 @@ def plan_remat(
 ) -> tuple[Any, int, int]:
     """``(schedule, budget bytes, checkpoint-all peak)`` for a budget in bytes, or a fraction
     (<= 1) of the checkpoint-all peak; ``strategy="best"`` takes the cheapest feasible of all.
-    ``workspace``: per-op scratch bytes the plan must leave room for (see :mod:`memplan.torch.profile`)."""
+    ``workspace``: per-op scratch bytes the plan must leave room for (see :mod:`memplan.torch.run.profile`)."""
     from memplan.remat import STRATEGIES, rematerialize
     from memplan.remat.baselines import checkpoint_all
     from memplan.remat.problem import RematProblem
@@ -305,7 +306,7 @@ def _workspace(
 ) -> tuple[int, ...]:
     """Per-op scratch bytes: as given, none (``False``), or measured (``True``)."""
     if workspace is True:
-        from memplan.torch.profile import profile_model
+        from memplan.torch.run.profile import profile_model
 
         _, profile = profile_model(model_name, batch_size, optimizer_name, repeats=0, seed=seed, capture=capture)
         return profile.workspace_bytes
