@@ -23,6 +23,7 @@ from memplan.pipeline import MemoryPlan, make_plan
 from memplan.torch.capture import Capture, capture_infer_step, capture_train_step
 from memplan.torch.run.interpreter import Plan, StepRunner, allocator_tensors, optimizer_update_groups
 from memplan.torch.run.replay import ReplayedStep
+from memplan.torch.run.updates import check_optimizer
 
 
 def optimize(
@@ -50,8 +51,9 @@ def optimize(
     else:
         if loss_fn is None:
             raise TypeError("a training step needs loss_fn(output, target)")
+        check_optimizer(optimizer, model)
         capture = capture_train_step(model, optimizer, loss_fn, example_batch, recompute_copies=recompute_copies)
-    groups = optimizer_update_groups(capture) if capture.mode == "train" else []
+    groups = optimizer_update_groups(capture, optimizer) if capture.mode == "train" else []
     plan = make_plan(
         capture.graph,
         time_limit_seconds=time_limit_seconds,

@@ -66,3 +66,7 @@ class InfeasibleBudget(MemplanError):
 
 class SolverError(MemplanError):
     pass
+
+
+class SelfCheckFailed(MemplanError):
+    """A planned step did not change what eager's step would have: training stops."""

@@ -72,9 +72,12 @@ def make_plan(
 
 
 def make_groups_contiguous(order: Sequence[int], groups: Sequence[Sequence[int]]) -> list[OpId]:
-    """Move every member of each group to just before the group's last member, keeping their
-    relative order. Members only move later, so an order stays topological as long as no op
-    outside a group reads what a member makes before the group's end (checked by the caller)."""
+    """Move every member of each group to the position of the group's last member, in program
+    order (op id order): the runtime runs a group as one call of the user's code (an optimizer
+    update), which runs its ops in program order whatever order a solver chose, so the
+    lifetimes the plan is placed by must be that order's. Members only move later, so an order
+    stays topological as long as no op outside a group reads what a member makes before the
+    group's end (checked by the caller)."""
     if not groups:
         return [OpId(v) for v in order]
     position = {v: i for i, v in enumerate(order)}
@@ -92,7 +95,7 @@ def make_groups_contiguous(order: Sequence[int], groups: Sequence[Sequence[int]]
         if v not in group_end:
             result.append(OpId(v))
         elif group_end[v] == v:
-            result.extend(OpId(m) for m in members[v])
+            result.extend(OpId(m) for m in sorted(members[v]))
     return result
 
 

@@ -35,7 +35,19 @@ Step = tuple[str, int]
 """``("run", op_id)`` runs an op (first run or recompute) and allocates its outputs;
 ``("free", tensor_id)`` releases the current instance of a tensor."""
 
-RANDOM_KIND_MARKERS = ("bernoulli", "dropout", "rand", "normal_", "uniform_")
+RANDOM_KIND_MARKERS = (
+    "bernoulli",
+    "dropout",
+    "rand",
+    "normal",
+    "uniform_",
+    "multinomial",
+    "exponential",
+    "poisson",
+    "cauchy",
+    "geometric",
+    "log_normal",
+)
 BATCH_NORM_KINDS = frozenset({"native_batch_norm", "_native_batch_norm_legit"})
 """Batch norms whose only side effect is the update of the running statistics they are given."""
 

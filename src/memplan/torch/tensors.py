@@ -4,6 +4,7 @@ random numbers."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch.fx
@@ -30,23 +31,34 @@ def tensor_leaves(value: Any) -> list[torch.Tensor]:
 
 
 def written_storages(node: torch.fx.Node) -> list[int]:
-    op = node.target
-    positions = list(HIDDEN_WRITES.get(op._schema.name, ()))
-    if op._schema.name in HIDDEN_WRITES and not batch_norm_training(node):
-        positions = []
+    """Storage keys of the tensors the traced op ``node`` writes."""
     keys: list[int] = []
-    for i, arg in enumerate(op._schema.arguments):
-        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-        is_write = arg.alias_info is not None and arg.alias_info.is_write
-        if (is_write or i in positions) and value is not None:
-            for leaf in pytree.tree_leaves(value):
-                if isinstance(leaf, torch.fx.Node):
-                    keys.extend(storage_key(t) for t in tensor_leaves(leaf.meta.get("val")))
+    for value in written_arguments(node.target, node.args, node.kwargs):
+        for leaf in pytree.tree_leaves(value):
+            if isinstance(leaf, torch.fx.Node):
+                keys.extend(storage_key(t) for t in tensor_leaves(leaf.meta.get("val")))
     return list(dict.fromkeys(keys))
 
 
-def batch_norm_training(node: torch.fx.Node) -> bool:
-    training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training", False)
+def written_arguments(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
+    """The arguments of a call of ``op`` that it writes: those its schema marks as written,
+    and BatchNorm's running statistics in training (:data:`HIDDEN_WRITES`). Works on fx
+    nodes and on real tensors alike."""
+    schema = op._schema
+    hidden = HIDDEN_WRITES.get(schema.name, ())
+    if hidden and not _batch_norm_training(args, kwargs):
+        hidden = ()
+    written = []
+    for i, arg in enumerate(schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        is_write = arg.alias_info is not None and arg.alias_info.is_write
+        if (is_write or i in hidden) and value is not None:
+            written.append(value)
+    return written
+
+
+def _batch_norm_training(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    training = args[5] if len(args) > 5 else kwargs.get("training", False)
     return bool(training)
 
 

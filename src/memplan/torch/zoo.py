@@ -236,13 +236,12 @@ def capture_model(
     name: str, batch_size: int = 1, mode: str = "train", optimizer: str = "sgd"
 ):  # -> memplan.torch.capture.Capture
     """Capture a zoo model's step on FakeTensors (no real memory is allocated)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from memplan.torch.capture import capture_infer_step, capture_train_step
+    from memplan.torch.capture.fake import new_fake_mode
 
     if mode not in MODES:
         raise MemplanError(f"unknown mode {mode!r}; choose train or infer")
-    fake_mode = FakeTensorMode()
+    fake_mode = new_fake_mode()
     w = build_workload(name, batch_size, fake_mode=fake_mode)
     label = f"{name}-b{batch_size}-{mode}" + (f"-{optimizer}" if mode == "train" else "")
     if mode == "infer":

@@ -11,6 +11,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import torch
 
 
+def new_fake_mode() -> FakeTensorMode:
+    """The mode capture traces in. Real tensors that the step creates itself are allowed as
+    inputs (foreach Adam adds ``torch.tensor(1.0)`` to its CPU step counts): they become
+    constants of the traced program."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
 def fake_mode_of(model: torch.nn.Module, *tensors: object) -> FakeTensorMode | None:
     """The FakeTensorMode the model's parameters (or ``tensors``) already live in, if any."""
     return detect_fake_mode([*model.parameters(), *model.buffers(), *tensors])

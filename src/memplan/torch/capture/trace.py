@@ -25,12 +25,13 @@ from typing import Any
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch
 from memplan.errors import CaptureError, DataDependentControlFlow, DynamicShape, UnsupportedOp
 from memplan.graph.check import validate_graph
 from memplan.graph.ir import Category, Graph, Op, OpId, Tensor, TensorId
-from memplan.torch.capture.fake import fake_clone_module, fake_clone_optimizer, fake_mode_of
+from memplan.torch.capture.fake import fake_clone_module, fake_clone_optimizer, fake_mode_of, new_fake_mode
 from memplan.torch.capture.marks import BACKWARD_MARK, RELEASE_KIND
 from memplan.torch.tensors import is_random, storage_key, tensor_leaves, written_storages
 
@@ -53,6 +54,10 @@ class Capture:
     grad_storage_by_param: dict[str, int] = field(default_factory=dict)  # param name -> storage key
     batch_spec: Any = None  # pytree spec of the flattened batch the step takes
     recomputed: list[str] = field(default_factory=list)  # copies run again in the backward (recompute.py)
+    # param name -> {state key: ("tensor", shape, dtype) or ("value", type name)}: the optimizer
+    # state as eager's step leaves it (read off the fake optimizer after the traced step)
+    optimizer_state_meta: dict[str, dict[str, tuple]] = field(default_factory=dict)
+    optimizer_scalar_stand_ins: int = 0  # tensor values the traced optimizer read (see OptimizerScalars)
 
 
 def call_model(model: torch.nn.Module, inputs: Any) -> Any:
@@ -88,10 +93,13 @@ def capture_train_step(
         loss = loss_fn(call_model(model, inputs), target)
         with torch.autograd.profiler.record_function(BACKWARD_MARK):
             loss.backward()
-        optimizer.step()
+        with OptimizerScalars() as scalars:
+            optimizer.step()
+        stand_ins.append(scalars.stand_ins)
         optimizer.zero_grad(set_to_none=True)
         return loss
 
+    stand_ins: list[int] = []
     flat, spec = pytree.tree_flatten(batch)
     _check_trainable(model)
     with mode:
@@ -114,17 +122,49 @@ def capture_train_step(
     capture = _to_capture(gm, categories, grads.storages, "train", seconds, name)
     capture.recomputed = recomputed
     capture.grad_storage_by_param = dict(grads.by_param)
+    capture.optimizer_state_meta = optimizer_state_meta(model, optimizer)
+    capture.optimizer_scalar_stand_ins = stand_ins[-1]
     capture.batch_spec = spec
     return capture
+
+
+class OptimizerScalars(TorchDispatchMode):
+    """While the optimizer's step is traced, a tensor value it reads in Python (ASGD's
+    ``mu.item()``, Adafactor's parameter norm) is a stand-in (1) where the fake tensor does not
+    know it. The traced update is only the plan's account of the update's memory and of which
+    parameters it reads: the runtime runs the user's real optimizer, which reads the real
+    values. ``stand_ins`` counts them (a branch they decide may be traced the other way)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stand_ins = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and getattr(args[0], "constant", None) is None:
+            self.stand_ins += 1
+            return True if args[0].dtype == torch.bool else 1 if not args[0].is_floating_point() else 1.0
+        return func(*args, **kwargs)
+
+
+def optimizer_state_meta(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, tuple]]:
+    """``param name -> {key: ("tensor", shape, dtype) | ("value", type name)}`` of the
+    optimizer's state (a fake one after capture, or the user's after a real step)."""
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
+    meta: dict[str, dict[str, tuple]] = {}
+    for p, state in optimizer.state.items():
+        meta[names.get(id(p), "param")] = {
+            key: ("tensor", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("value", type(v).__name__)
+            for key, v in state.items()
+        }
+    return meta
 
 
 def capture_infer_step(model: torch.nn.Module, inputs: Any, *, name: str = "") -> Capture:
     """Capture ``with torch.no_grad(): model(inputs)``."""
     mode = fake_mode_of(model)
     if mode is None:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        mode = FakeTensorMode()
+        mode = new_fake_mode()
         model, _ = fake_clone_module(model, mode)
     inputs = _fake_batch(inputs, mode)
     categories = _persistent_categories(model, None)
@@ -144,9 +184,7 @@ def capture_infer_step(model: torch.nn.Module, inputs: Any, *, name: str = "") -
 def _fake_setup(model, optimizer, batch):
     mode = fake_mode_of(model)
     if mode is None:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        mode = FakeTensorMode()
+        mode = new_fake_mode()
         model, fakes = fake_clone_module(model, mode)
         optimizer = fake_clone_optimizer(optimizer, fakes, mode)
     return model, optimizer, _fake_batch(batch, mode), mode

@@ -13,6 +13,7 @@ PyTorch exactly. Parameters and optimizer state are never copied.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -26,6 +27,8 @@ import torch
 from memplan.errors import MemplanError, UnsupportedOp
 from memplan.graph.ir import Graph, TensorId
 from memplan.torch.capture import Capture
+from memplan.torch.run.selfcheck import SelfCheck
+from memplan.torch.run.updates import UpdateGroup, check_optimizer, update_groups, updates_are_independent
 from memplan.torch.tensors import storage_key, tensor_leaves
 
 ARENA_ALIGNMENT_BYTES = 64
@@ -78,9 +81,10 @@ class _Call:
 @dataclass(frozen=True)
 class _Update:
     position: int
-    param_name: str
-    grad_node: torch.fx.Node
+    param_names: tuple[str, ...]
+    grad_nodes: tuple[torch.fx.Node, ...]
     traced: tuple[_Call, ...] = ()  # the update's ops as traced, in program order
+    whole: bool = False  # one step() over the optimizer's own param groups (see run/updates.py)
 
 
 def plannable_tensors(graph: Graph) -> list[TensorId]:
@@ -125,6 +129,9 @@ class StepRunner:
         self._params = dict(model.named_parameters())
         self._buffers = dict(model.named_buffers())
         self._attrs: dict[str, Any] | None = None
+        self.self_check = SelfCheck(capture, model, optimizer)
+        self._next_check: str | None = "full"
+        self.last_step_observed = False
 
     # ------------------------------------------------------------------ compile
     def _check_plan(self) -> None:
@@ -139,20 +146,31 @@ class StepRunner:
                 raise MemplanError(f"tensor {self.graph.tensors[t].name!r} is misplaced at offset {offset}")
 
     def _compile(self) -> list[_Call | _Update]:
-        groups = _optimizer_groups(self.capture, self.plan.order)
+        groups = self._update_groups_by_last_op()
         instructions: list[_Call | _Update] = []
         for position, op_id in enumerate(self.plan.order):
             phase = self.capture.op_phase[op_id]
             if phase in ("input", "release"):
                 continue
             if phase == "optimizer":
-                if op_id in groups:
-                    param_name, grad_node_name, members = groups[op_id]
-                    traced = tuple(self._call(-1, m) for m in members)
-                    instructions.append(_Update(position, param_name, self.nodes[grad_node_name], traced))
+                group = groups.get(op_id)
+                if group is not None:
+                    traced = tuple(self._call(-1, m) for m in group.ops)
+                    grads = tuple(self.nodes[n] for n in group.grad_nodes)
+                    instructions.append(_Update(position, group.params, grads, traced, group.whole))
                 continue
             instructions.append(self._call(position, op_id))
         return instructions
+
+    def _update_groups_by_last_op(self) -> dict[int, UpdateGroup]:
+        """Each update group keyed by its op planned last: the update runs there, when every
+        gradient it reads is ready."""
+        if self.capture.mode != "train":
+            return {}
+        check_optimizer(self.optimizer, self.model)
+        position = {op: i for i, op in enumerate(self.plan.order)}
+        groups = update_groups(self.capture, independent=updates_are_independent(self.optimizer))
+        return {max(g.ops, key=position.__getitem__): g for g in groups}
 
     def _call(self, position: int, op_id: int) -> _Call:
         call = self._strategy(position, op_id)
@@ -188,7 +206,7 @@ class StepRunner:
     def _last_uses(self) -> dict[str, int]:
         last: dict[str, int] = {}
         for ins in self.instructions:
-            nodes = [ins.grad_node] if isinstance(ins, _Update) else _arg_nodes(ins.node)
+            nodes = list(ins.grad_nodes) if isinstance(ins, _Update) else _arg_nodes(ins.node)
             for n in nodes:
                 last[n.name] = max(last.get(n.name, -1), ins.position)
         output = next(n for n in self.capture.gm.graph.nodes if n.op == "output")
@@ -254,8 +272,23 @@ class StepRunner:
         return None
 
     # ------------------------------------------------------------------ run
-    @torch.no_grad()
     def __call__(self, batch: Any) -> Any:
+        """Run one step; the first one (and one after :meth:`request_self_check`) under the
+        self-check of :mod:`memplan.torch.run.selfcheck`."""
+        check, self._next_check = self._next_check, None
+        self.last_step_observed = check == "full"
+        if check is None:
+            return self.run_step(batch)
+        with self.self_check.watch(observe_ops=check == "full"):
+            return self.run_step(batch)
+
+    def request_self_check(self) -> None:
+        """Check the next step's optimizer state and gradients (the planned allocator asks for
+        its first replay; the ops were observed on the first step, which ran the same program)."""
+        self._next_check = self._next_check or "light"
+
+    @torch.no_grad()
+    def run_step(self, batch: Any) -> Any:
         """Run one step; the backward is in the program, so autograd stays off."""
         env: dict[str, Any] = {}
         self._bind_inputs(env, batch)
@@ -307,6 +340,12 @@ class StepRunner:
             self._attrs = {n.name: self._real_attr(n) for n in self.capture.gm.graph.nodes if n.op == "get_attr"}
         env.update(self._attrs)
 
+    def _read_by_optimizer_only(self, node: torch.fx.Node) -> bool:
+        """A constant only the traced optimizer reads (``torch.tensor(1.0)`` in foreach Adam):
+        the real optimizer makes its own, so its value is never needed."""
+        phase = dict(zip(self.capture.node_of_op, self.capture.op_phase, strict=True))
+        return all(phase.get(user.name) == "optimizer" for user in node.users)
+
     def _real_attr(self, node: torch.fx.Node) -> Any:
         fake = getattr(self.capture.gm, node.target)
         t = self.capture.tensor_of_storage.get(storage_key(fake))
@@ -323,6 +362,8 @@ class StepRunner:
             return constant
         if fake.numel() == 0:
             return torch.empty(fake.shape, dtype=fake.dtype, device=self.arena.device)
+        if self._read_by_optimizer_only(node):
+            return None
         raise UnsupportedOp(f"the step uses a constant tensor {node.target} whose value capture could not keep")
 
     def _execute(self, ins: _Call, env: dict[str, Any]) -> Any:
@@ -370,22 +411,21 @@ class StepRunner:
         return typed.as_strided(meta.shape, meta.stride(), typed.storage_offset() + meta.storage_offset())
 
     def _update(self, ins: _Update, env: dict[str, Any]) -> None:
-        """Run the user's optimizer on one parameter whose gradient is ready (OLLA 4.3)."""
-        param = self._params[ins.param_name]
-        grad = _resolve(ins.grad_node, env)
-        group = next(g for g in self.optimizer.param_groups if any(p is param for p in g["params"]))
-        saved = self.optimizer.param_groups
-        param.grad = grad
+        """Run the user's optimizer on the parameters of one update group, whose gradients
+        are ready (OLLA 4.3); their ``.grad`` is set for the call only."""
+        params = [self._params[name] for name in ins.param_names]
+        for param, grad_node in zip(params, ins.grad_nodes, strict=True):
+            param.grad = _resolve(grad_node, env)
         try:
-            self.optimizer.param_groups = [{**group, "params": [param]}]
-            if self.plan.offsets:
-                with _ReplayIntoArena(self, ins.traced):
+            with contextlib.nullcontext() if ins.whole else _only_params(self.optimizer, params):
+                if self.plan.offsets:
+                    with _ReplayIntoArena(self, ins.traced):
+                        self.optimizer.step()
+                else:  # nothing planned into arena views (the planned allocator serves addresses)
                     self.optimizer.step()
-            else:  # nothing planned into arena views (the planned allocator serves addresses)
-                self.optimizer.step()
         finally:
-            self.optimizer.param_groups = saved
-            param.grad = None
+            for param in params:
+                param.grad = None
 
     def _result(self, env: dict[str, Any]) -> Any:
         output_node = next(n for n in self.capture.gm.graph.nodes if n.op == "output")
@@ -412,7 +452,11 @@ class _ReplayIntoArena(TorchDispatchMode):
         kwargs = kwargs or {}
         if getattr(func, "namespace", "") == "profiler":  # dropped from the trace too
             return func(*args, **kwargs)
-        if self.next < len(self.traced) and self.traced[self.next].node.target is func:
+        if func is torch.ops.aten._local_scalar_dense.default:  # a Python number, allocates nothing
+            if self.next < len(self.traced) and self.traced[self.next].node.target is func:
+                self.next += 1
+            return func(*args, **kwargs)
+        if self.next < len(self.traced) and _same_call(self.traced[self.next].node, func, args, kwargs):
             ins = self.traced[self.next]
             self.next += 1
             return self.runner._place_call(ins, func, args, kwargs)
@@ -423,6 +467,18 @@ class _ReplayIntoArena(TorchDispatchMode):
             t.untyped_storage().nbytes() for t in tensor_leaves(result) if t.untyped_storage()._cdata not in inputs
         )
         return result
+
+
+def _same_call(node: torch.fx.Node, func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+    """The real call is the traced one: same op, and tensor arguments of the same shapes and
+    dtypes, in the same places."""
+    if node.target is not func:
+        return False
+    real = tensor_leaves((args, kwargs))
+    traced = [v for a in _arg_nodes(node) for v in tensor_leaves(a.meta.get("val"))]
+    return len(real) == len(traced) and all(
+        r.shape == t.shape and r.dtype == t.dtype for r, t in zip(real, traced, strict=True)
+    )
 
 
 # ---------------------------------------------------------------------- helpers
@@ -456,68 +512,29 @@ def _writes_into_arena(node: torch.fx.Node, num_fresh: int) -> bool:
     return out_op is not None and len(names) == num_fresh
 
 
-def optimizer_update_groups(capture: Capture) -> list[tuple[int, ...]]:
-    """The ops of each parameter's update, which the runtime runs together (see
-    :func:`memplan.pipeline.make_groups_contiguous`)."""
-    return [members for _, _, members in _optimizer_groups(capture, range(capture.graph.num_ops)).values()]
+def optimizer_update_groups(capture: Capture, optimizer: torch.optim.Optimizer) -> list[tuple[int, ...]]:
+    """The ops of each update group, which the runtime runs together (see
+    :func:`memplan.pipeline.make_groups_contiguous` and :mod:`memplan.torch.run.updates`)."""
+    groups = update_groups(capture, independent=updates_are_independent(optimizer))
+    return [g.ops for g in groups]
 
 
-def _optimizer_groups(capture: Capture, order: Sequence[int]) -> dict[int, tuple[str, str, tuple[int, ...]]]:
-    """``op id -> (param name, grad node, member ops)`` for the op at which each parameter's
-    update runs.
-
-    Every optimizer op belongs to the parameter whose parameter, state or gradient storage it
-    reads (or whose temporaries it reads); a parameter's whole update runs at the latest
-    planned position of its ops, when everything it reads is ready.
-    """
-    graph = capture.graph
-    nodes = {n.name: n for n in capture.gm.graph.nodes}
-    owner = _tensor_owners(capture)
-    members: dict[str, list[int]] = {}
-    for op_id, op in enumerate(graph.ops):
-        if capture.op_phase[op_id] != "optimizer":
-            continue
-        params = [owner[t] for t in op.inputs if t in owner]
-        if not params:
-            continue
-        members.setdefault(params[0], []).append(op_id)
-        for t in op.outputs:
-            owner[t] = params[0]
-    position = {op: i for i, op in enumerate(order)}
-    groups: dict[int, tuple[str, str, tuple[int, ...]]] = {}
-    for name, ops in members.items():
-        grad_node = _find_grad_node(
-            [nodes[capture.node_of_op[o]] for o in ops], capture.grad_storage_by_param.get(name)
-        )
-        if grad_node is None:
-            raise UnsupportedOp(f"could not find the gradient the optimizer reads for parameter {name!r}")
-        groups[max(ops, key=position.__getitem__)] = (name, grad_node, tuple(ops))
-    return groups
-
-
-def _tensor_owners(capture: Capture) -> dict[int, str]:
-    """``tensor -> parameter name`` for parameters, their optimizer state and gradients."""
-    graph = capture.graph
-    grads = {key: name for name, key in capture.grad_storage_by_param.items()}
-    owner: dict[int, str] = {}
-    for key, t in capture.tensor_of_storage.items():
-        kind, _, label = graph.tensors[t].name.partition(":")
-        if kind == "param":
-            owner[t] = label
-        elif kind == "state":
-            owner[t] = label.rsplit(".", 1)[0]
-        elif key in grads:
-            owner[t] = grads[key]
-    return owner
-
-
-def _find_grad_node(nodes: Sequence[torch.fx.Node], grad_key: int | None) -> str | None:
-    for node in nodes:
-        for arg in _arg_nodes(node):
-            val = arg.meta.get("val")
-            if isinstance(val, torch.Tensor) and storage_key(val) == grad_key:
-                return arg.name
-    return None
+@contextlib.contextmanager
+def _only_params(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]):
+    """Let ``optimizer.step()`` see only ``params``, each in its own param group with that
+    group's hyper-parameters (the group dicts are the user's, restored afterwards)."""
+    wanted = {id(p) for p in params}
+    saved_groups = optimizer.param_groups
+    saved_params = [group["params"] for group in saved_groups]
+    try:
+        for group in saved_groups:
+            group["params"] = [p for p in group["params"] if id(p) in wanted]
+        optimizer.param_groups = [group for group in saved_groups if group["params"]]
+        yield
+    finally:
+        for group, group_params in zip(saved_groups, saved_params, strict=True):
+            group["params"] = group_params
+        optimizer.param_groups = saved_groups
 
 
 def _real_out_variant(op: Any, num_outputs: int) -> tuple[Any, tuple[str, ...]]:

@@ -86,12 +86,12 @@ class RematRunner(StepRunner):
         return holders
 
     @torch.no_grad()
-    def __call__(self, batch: Any) -> Any:
+    def run_step(self, batch: Any) -> Any:
         env: dict[str, Any] = {}
         self._bind_inputs(env, batch)
         ran: set[int] = set()
         deferred: dict[str, list[int]] = {}  # grad node -> frees waiting for its parameter's update
-        pending = {ins.grad_node.name for ins in self.instructions if isinstance(ins, _Update)}
+        pending = {n.name for ins in self.instructions if isinstance(ins, _Update) for n in ins.grad_nodes}
         self.recomputes = 0
         for kind, i in self.steps:
             if kind == "free":
@@ -100,9 +100,10 @@ class RematRunner(StepRunner):
             ins = self.by_op.get(i)
             if isinstance(ins, _Update):
                 self._update(ins, env)
-                pending.discard(ins.grad_node.name)
-                for t in deferred.pop(ins.grad_node.name, []):
-                    self._free(t, env)
+                for grad_node in ins.grad_nodes:
+                    pending.discard(grad_node.name)
+                    for t in deferred.pop(grad_node.name, []):
+                        self._free(t, env)
             elif isinstance(ins, _Call):
                 env[ins.node.name] = self._run(ins, env, recompute=i in ran)
             ran.add(i)

@@ -72,6 +72,8 @@ class ReplayedStep:
     def __call__(self, batch: Any) -> Any:
         if self.plan is None:
             return self._record(batch)
+        if self.last_stats is None and hasattr(self.run, "request_self_check"):
+            self.run.request_self_check()  # the first replayed step is checked too
         allocator.begin_replay(self.plan, self.arena)
         try:
             result = self.run(batch)
@@ -98,6 +100,8 @@ class ReplayedStep:
         finally:
             trace = allocator.end_record()
         self.recordings += 1
+        if getattr(self.run, "last_step_observed", False):
+            return result  # the self-check's dispatch mode changed this step's allocations: record again
         steady = self._previous is not None and self._previous.sizes == trace.sizes
         if steady or self.recordings >= MAX_RECORDINGS:
             self._plan(trace)

@@ -1,0 +1,205 @@
+"""A planned step checks, on its first run, that it changed what eager's step would have.
+
+A planned step must train exactly as eager does or refuse to run; a step that runs and trains
+differently is the worst outcome there is. Tests compare against eager, but a user's model is
+not in the tests, so the runtime holds its first step to an account written apart from the
+code that runs it. Capture knows, independently of how the runtime groups and orders work:
+
+* which parameters received a gradient (autograd's accumulate hooks): each one the optimizer
+  owns must be written by the step, and no other parameter may be;
+* how eager's optimizer state looks after a step (the fake optimizer after the traced step):
+  each updated parameter's state has those keys, shapes and dtypes, and its ``step`` count
+  advanced by one; the state of every other parameter is unchanged;
+* which buffers the step writes (BatchNorm's running statistics and ``num_batches_tracked``),
+  and that no other buffer is written;
+* which random ops run, in which order and at which sizes: the generator advances by what
+  they draw, so the same sequence leaves it where eager leaves it;
+* that ``zero_grad(set_to_none=True)`` leaves no ``.grad`` behind.
+
+Writes and random draws are observed by a dispatch mode around the step (only while
+checking); a violation raises :class:`memplan.errors.SelfCheckFailed` naming what differs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torch
+from memplan.errors import SelfCheckFailed
+from memplan.torch.capture import Capture
+from memplan.torch.tensors import is_random, storage_key, tensor_leaves, written_arguments
+
+
+@dataclass(frozen=True)
+class StepExpectations:
+    """What eager's step changes, as capture saw it."""
+
+    updated_params: frozenset[str]  # owned by the optimizer and given a gradient
+    written_buffers: frozenset[str]
+    random_ops: tuple[tuple[str, tuple[tuple[int, ...], ...]], ...]  # (op, output shapes), in program order
+    state_meta: dict[str, dict[str, tuple]]
+    grads_cleared: bool = True
+
+
+def expectations(capture: Capture, optimizer: torch.optim.Optimizer | None, model: torch.nn.Module) -> StepExpectations:
+    graph = capture.graph
+    written = set()
+    for op_id, op in enumerate(graph.ops):
+        if capture.op_phase[op_id] in ("forward", "backward"):
+            for t in op.mutates:
+                kind, _, name = graph.tensors[t].name.partition(":")
+                if kind == "buffer":
+                    written.add(name)
+    random_ops = tuple(
+        (node.target._schema.name, _shapes(node.meta.get("val")))
+        for node in capture.gm.graph.nodes
+        if node.op == "call_function" and is_random(node.target)
+    )
+    owned = set()
+    if optimizer is not None:
+        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        owned = {name for name, p in model.named_parameters() if id(p) in ids}
+    updated = frozenset(name for name in capture.grad_storage_by_param if name in owned)
+    training = capture.mode == "train"
+    return StepExpectations(updated, frozenset(written), random_ops, dict(capture.optimizer_state_meta), training)
+
+
+class _Witness(TorchDispatchMode):
+    """Records the storages every op writes and the random ops, as they run."""
+
+    def __init__(self, random_names: set[str]) -> None:
+        super().__init__()
+        self.random_names = random_names
+        self.written: set[int] = set()
+        self.random_ops: list[tuple[str, tuple[tuple[int, ...], ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if hasattr(func, "_schema"):
+            for value in written_arguments(func, args, kwargs):
+                self.written.update(storage_key(t) for t in tensor_leaves(value))
+            name = func._schema.name
+            if is_random(func) or name in self.random_names:
+                self.random_ops.append((name, _shapes(result)))
+        return result
+
+
+class SelfCheck:
+    """``with check.watch(): step(...)`` raises :class:`SelfCheckFailed` if the step did not
+    change exactly what eager's step changes (see the module docstring)."""
+
+    def __init__(self, capture: Capture, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        self.expected = expectations(capture, optimizer, model)
+        self.model = model
+        self.optimizer = optimizer
+
+    @contextlib.contextmanager
+    def watch(self, *, observe_ops: bool = True) -> Iterator[None]:
+        """Check the step run inside. ``observe_ops=False`` checks only what needs no dispatch
+        mode (optimizer state, gradients): a Python dispatch mode wraps scalars into tensors,
+        which changes the allocation sequence the planned allocator replays."""
+        before = self._state_before()
+        witness = _Witness({name for name, _ in self.expected.random_ops})
+        with witness if observe_ops else contextlib.nullcontext():
+            yield
+        if observe_ops:
+            self._check_writes(witness.written)
+            self._check_random(witness.random_ops)
+        self._check_state(before)
+        self._check_grads()
+
+    def _check_writes(self, written: set[int]) -> None:
+        _check_written("parameter", self.model.named_parameters(), self.expected.updated_params, written)
+        _check_written("buffer", self.model.named_buffers(), self.expected.written_buffers, written)
+
+    def _state_before(self) -> dict[str, dict[str, Any]]:
+        return {name: _summary(state) for name, state in self._states().items()}
+
+    def _states(self) -> dict[str, dict[str, Any]]:
+        if self.optimizer is None:
+            return {}
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        return {names[id(p)]: state for p, state in self.optimizer.state.items() if id(p) in names}
+
+    def _check_state(self, before: dict[str, dict[str, Any]]) -> None:
+        after = self._states()
+        for name in sorted(set(before) | set(after) | self.expected.updated_params):
+            if name not in self.expected.updated_params:
+                if name in after and _summary(after[name]) != before.get(name):
+                    _fail(f"the optimizer state of parameter {name!r} changed, which eager's step would not do")
+                continue
+            expected = self.expected.state_meta.get(name)
+            meta = {key: _meta(v) for key, v in after[name].items()} if name in after else None
+            if meta != expected:
+                _fail(f"the optimizer state of parameter {name!r} is {meta}, eager's step would leave {expected}")
+            if meta is not None and "step" in after[name]:
+                previous = before.get(name, {}).get("step", 0.0)
+                if _number(after[name]["step"]) != previous + 1:
+                    _fail(f"the step count of {name!r} went from {previous} to {_number(after[name]['step'])}, not +1")
+
+    def _check_random(self, ran: list[tuple[str, tuple]]) -> None:
+        expected = list(self.expected.random_ops)
+        if ran != expected:
+            _fail(
+                f"the step ran {len(ran)} random op(s) where eager runs {len(expected)} "
+                f"(first difference: {_first_difference(ran, expected)}), so the random generator would differ"
+            )
+
+    def _check_grads(self) -> None:
+        if not self.expected.grads_cleared:
+            return
+        for name, param in self.model.named_parameters():
+            if param.grad is not None:
+                _fail(f"parameter {name!r} kept a .grad after the step, which zero_grad(set_to_none=True) clears")
+
+
+def _check_written(
+    kind: str, named: Iterator[tuple[str, torch.Tensor]], expected: frozenset[str], written: set[int]
+) -> None:
+    """Exactly the ``expected`` tensors were written (for a parameter: given a gradient)."""
+    for name, tensor in named:
+        wrote = storage_key(tensor) in written
+        if name in expected and not wrote:
+            what = "received a gradient but the step did not update it" if kind == "parameter" else "was not updated"
+            _fail(f"{kind} {name!r} {what}" + ("" if kind == "parameter" else ", which eager's step would do"))
+        if name not in expected and wrote:
+            _fail(f"{kind} {name!r} was written by the step, which eager's step would not do")
+
+
+def _fail(message: str) -> None:
+    raise SelfCheckFailed(f"self-check after a planned step: {message}; memplan refuses to go on (please report it)")
+
+
+def _shapes(value: Any) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(t.shape) for t in tensor_leaves(value))
+
+
+def _meta(value: Any) -> tuple:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    return ("value", type(value).__name__)
+
+
+def _number(value: Any) -> float:
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def _summary(state: dict[str, Any]) -> dict[str, Any]:
+    """What must not change in a state that the step does not update: its keys with their
+    metadata, and its step count."""
+    return {"meta": {key: _meta(v) for key, v in state.items()}, "step": _number(state.get("step", 0.0))}
+
+
+def _first_difference(ran: list, expected: list) -> str:
+    for i, (a, b) in enumerate(zip(ran, expected, strict=False)):
+        if a != b:
+            return f"#{i}: {a[0]} {a[1]} vs eager's {b[0]} {b[1]}"
+    i = min(len(ran), len(expected))
+    extra = ran[i] if len(ran) > i else expected[i]
+    return f"#{i}: {extra[0]} {extra[1]} {'extra' if len(ran) > i else 'missing'}"
