@@ -103,7 +103,7 @@ class _Objects:
         self.object_of = np.full(problem.num_buffers, -1, dtype=np.int64)
         self.bases: list[int] = []
         self.heights: list[int] = []
-        self.spanning: list[list[int]] = []  # per object: single buffers as high as the object
+        self.spanning = np.zeros(problem.num_buffers, dtype=bool)  # single buffers as high as their object
 
     def put(self, block: int, obj: int, start: int) -> None:
         members = self.blocks.members[block]
@@ -111,48 +111,76 @@ class _Objects:
             self.offsets[b] = self.bases[obj] + start + pre
             self.object_of[b] = obj
         if len(members) == 1 and self.sizes[members[0]] == self.heights[obj]:
-            self.spanning[obj].append(members[0])
+            self.spanning[members[0]] = True
 
     def open(self, block: int) -> int:
         self.bases.append(sum(self.heights))
         self.heights.append(int(self.blocks.sizes_units[block]))
-        self.spanning.append([])
         return len(self.bases) - 1
 
-    def blocked(self, block: int, obj: int) -> bool:
-        """Unsafe with a tensor spanning the whole object: no start can work there."""
-        conflicts = self.problem.conflicts
-        return any(
-            conflicts.conflict(b, s)
-            for s in self.spanning[obj]
-            for b in self.blocks.members[block]
-            if self.sizes[b] > 0
-        )
+    def blocked(self, block: int) -> np.ndarray:
+        """Objects where ``block`` is unsafe with a tensor spanning the whole object: no start
+        can work there (SOMAS's quick rejection)."""
+        blocked = np.zeros(len(self.bases), dtype=bool)
+        for b in self.blocks.members[block]:
+            if self.sizes[b] > 0:
+                nb = self.problem.conflicts.neighbors(b)
+                blocked[self.object_of[nb[self.spanning[nb]]]] = True
+        return blocked
 
-    def fit(self, block: int, obj: int, best_fit: bool) -> int | None:
-        """The start of ``block`` in ``obj`` (relative to its base), or ``None`` if it fits nowhere."""
-        limit = self.heights[obj] - int(self.blocks.sizes_units[block])  # the highest allowed start
-        base = self.bases[obj]
+    def fit(self, block: int, best_fit: bool) -> tuple[int, int] | None:
+        """``(object, start)`` for ``block``: the lowest object with a legal start (objects are
+        tried bottom-up, each only against its own tensors), at its tightest hole (best fit) or
+        lowest start there; ``None`` if no object can take it."""
+        size = int(self.blocks.sizes_units[block])
+        heights = np.array(self.heights, dtype=np.int64)
+        usable = np.flatnonzero((heights >= size) & ~self.blocked(block))
+        if len(usable) == 0:
+            return None
+        lo, hi = self._forbidden(block)
+        # legal starts: inside an object, [base, base + height - size], minus the forbidden ones
+        free_lo, free_hi = _free_ranges(lo, hi)
+        obj_lo = np.array(self.bases, dtype=np.int64)[usable]
+        obj_hi = obj_lo + heights[usable] - size + 1
+        first = np.searchsorted(obj_hi, free_lo, side="right")  # per free range: first object ending after it
+        valid = first < len(usable)
+        valid[valid] &= obj_lo[first[valid]] < free_hi[valid]
+        if not valid.any():
+            return None
+        k = int(np.argmax(valid))  # the lowest free range that reaches into an object
+        obj = int(first[k])
+        seg_lo = np.maximum(free_lo, obj_lo[obj])
+        seg_hi = np.minimum(free_hi, obj_hi[obj])
+        fits = np.flatnonzero(seg_hi > seg_lo)
+        pick = fits[np.argmin(seg_hi[fits] - seg_lo[fits])] if best_fit else fits[0]
+        return int(usable[obj]), int(seg_lo[pick])
+
+    def _forbidden(self, block: int) -> tuple[np.ndarray, np.ndarray]:
+        """Absolute block starts ``[lo, hi)`` that overlap a placed unsafe tensor."""
         los, his = [], []
         for b, pre in zip(self.blocks.members[block], self.blocks.prefixes_units[block], strict=True):
             if self.sizes[b] == 0:
                 continue
             nb = self.problem.conflicts.neighbors(b)
-            nb = nb[(self.object_of[nb] == obj) & (self.sizes[nb] > 0)]
-            los.append(self.offsets[nb] - base - pre - self.sizes[b] + 1)
-            his.append(self.offsets[nb] - base + self.sizes[nb] - pre)
-        lo = np.concatenate([*los, [limit + 1]])  # the object's top closes the last hole
-        hi = np.concatenate([*his, [limit + 1]])
-        order = np.argsort(lo, kind="stable")
-        lo, hi = lo[order], hi[order]
-        reach = np.maximum.accumulate(hi)
-        gap_start = np.maximum(np.concatenate(([0], reach[:-1])), 0)
-        gap_length = np.minimum(lo, limit + 1) - gap_start
-        ok = np.flatnonzero(gap_length > 0)
-        if len(ok) == 0:
-            return None
-        pick = ok[np.argmin(gap_length[ok])] if best_fit else ok[0]
-        return int(gap_start[pick])
+            nb = nb[(self.object_of[nb] >= 0) & (self.sizes[nb] > 0)]
+            los.append(self.offsets[nb] - pre - self.sizes[b] + 1)
+            his.append(self.offsets[nb] + self.sizes[nb] - pre)
+        if not los:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        return np.concatenate(los), np.concatenate(his)
+
+
+def _free_ranges(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The complement of the union of ``[lo, hi)`` as sorted half-open ranges."""
+    if len(lo) == 0:
+        return np.array([np.iinfo(np.int64).min // 2]), np.array([np.iinfo(np.int64).max // 2])
+    order = np.argsort(lo, kind="stable")
+    lo, hi = lo[order], hi[order]
+    reach = np.maximum.accumulate(hi)
+    starts = np.concatenate(([np.iinfo(np.int64).min // 2], reach))
+    ends = np.concatenate((lo, [np.iinfo(np.int64).max // 2]))
+    keep = ends > starts
+    return starts[keep], ends[keep]
 
 
 def many_objects_in_order(
@@ -164,15 +192,12 @@ def many_objects_in_order(
     for block in block_order:
         if blocks.sizes_units[block] == 0:
             continue  # empty: offset 0 of the arena overlaps nothing
-        for obj in range(len(objects.bases)):
-            if blocks.sizes_units[block] > objects.heights[obj] or objects.blocked(block, obj):
-                continue
-            start = objects.fit(block, obj, best_fit)
-            if start is not None:
-                objects.put(block, obj, start)
-                break
-        else:
+        found = objects.fit(block, best_fit)
+        if found is None:
             objects.put(block, objects.open(block), 0)
+        else:
+            obj, start = found
+            objects.put(block, obj, start - objects.bases[obj])
     offsets = tuple(int(o) * blocks.unit_bytes for o in objects.offsets)
     arena = arena_bytes(problem, offsets)
     bound = lower_bound_bytes(problem)

@@ -7,7 +7,8 @@ set is pairwise unsafe, so its total size bounds the arena from below).
 
 :func:`plan_stream_placement` solves it with, in turn:
 
-* SOMAS single object and many objects (:mod:`memplan.placement.somas`);
+* SOMAS single object and many objects (:mod:`memplan.placement.somas`), then memplan's own
+  heuristic portfolio (:func:`memplan.placement.heuristics.portfolio`);
 * *interval cover*: when every unsafe pair also overlaps in the recorded order (true when
   every side-stream op's tensors are read again later on their own stream, as for DDP's
   all-reduces), a placement valid for the recorded order's lifetimes is valid for every
@@ -33,6 +34,7 @@ from memplan.graph.ir import Graph, TensorId
 from memplan.graph.liveness import lifetimes
 from memplan.graph.multistream import contiguous_groups
 from memplan.placement.check import validate_placement
+from memplan.placement.heuristics import portfolio
 from memplan.placement.problem import ConflictRelation, Placement, PlacementProblem, arena_bytes, group_prefixes
 from memplan.placement.somas import many_objects, single_object
 from memplan.streams.interleave import executions, lifetimes_in
@@ -179,6 +181,8 @@ def plan_stream_placement(
     many = many_objects(problem)
     if many is not None:
         candidates["many-objects"] = many
+    if _best(candidates).arena_bytes > bound:
+        candidates["portfolio"] = portfolio(problem)
     cover = covered_by_recorded_order(sp)
     left = lambda: time_limit_seconds - (time.perf_counter() - t0)  # noqa: E731
     if _best(candidates).arena_bytes > bound and cover:
