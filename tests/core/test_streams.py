@@ -378,6 +378,18 @@ def test_gradient_buckets_are_all_reduced_on_stream_1_and_waited_for_before_upda
     assert listing.index("all_reduce:bucket0") == listing.index("bwd2") + 1 < listing.index("bwd1")
 
 
+def test_waits_can_be_pinned_after_the_whole_backward() -> None:
+    g = data_parallel_step(ddp_like_graph(4), bucket_cap_bytes=2000, waits_after_backward=True)
+    validate_streams(g)
+    reach = Reachability.of(g)
+    last_backward = g.op_index["bwd0"]
+    for bucket in g.meta["buckets"]:
+        assert reach.is_ancestor(last_backward, g.op_index[bucket["wait"]])
+    early, _ = enforce_early_weight_updates(g)
+    validate_streams(early)
+    assert updates_after_their_waits(early)
+
+
 def test_early_weight_updates_respect_the_waits() -> None:
     g = data_parallel_step(ddp_like_graph(6), bucket_cap_bytes=2000)
     early, edges = enforce_early_weight_updates(g)

@@ -198,13 +198,23 @@ def _post_reduction_readers(graph: Graph, reach: Reachability, cones: set[int]) 
 
 
 def add_gradient_buckets(
-    graph: Graph, buckets: Sequence[Bucket], *, comm_stream: int = COMM_STREAM, compute_stream: int = 0
+    graph: Graph,
+    buckets: Sequence[Bucket],
+    *,
+    comm_stream: int = COMM_STREAM,
+    compute_stream: int = 0,
+    waits_after_backward: bool = False,
 ) -> Graph:
     """``graph`` with an asynchronous all-reduce per bucket on ``comm_stream`` and its wait on
     ``compute_stream`` (module docstring); ops listed in a topological order that puts each
     all-reduce right after its last gradient is ready and each wait right before the first
-    reader of a reduced gradient. Raises :class:`CycleError` if a gradient is read before its
-    reduction by an op that itself needs a reduced gradient."""
+    reader of a reduced gradient.
+
+    A reordering may move a wait up to just after its all-reduce, which then stalls the
+    compute stream; ``waits_after_backward`` pins every wait after the last gradient of the
+    step is ready, as DDP waits for all buckets at the end of the backward (the optimizer can
+    then update no parameter before the backward ends). Raises :class:`CycleError` if a
+    gradient is read before its reduction by an op that itself needs a reduced gradient."""
     reach = Reachability.of(graph)
     writers = _writers(graph)
     cones: set[int] = set()
@@ -215,17 +225,25 @@ def add_gradient_buckets(
     ed = _Editor(graph)
     groups = [list(g) for g in graph.meta.get(CONTIGUOUS_KEY, [])]  # type: ignore[union-attr]
     described = []
+    plans = []
     for bucket in buckets:
-        name = f"bucket{bucket.index}"
         readers = {c for g in bucket.gradients for c in graph.consumers[g]}
-        post = sorted(readers & post_all)
         pre = sorted(readers - post_all)
+        plans.append(
+            (bucket, sorted(readers & post_all), pre, max([*(graph.producer[g] for g in bucket.gradients), *pre]))
+        )
+    backward_done: tuple[TensorId, ...] = ()
+    if waits_after_backward and plans:
+        last = max(ready_at for *_, ready_at in plans)
+        backward_done = (ed.control(f"{graph.ops[last].name}->waits"),)
+        ed.add_output(last, backward_done[0])
+    for bucket, post, pre, ready_at in plans:
+        name = f"bucket{bucket.index}"
         tokens = []
         for r in pre:
             token = ed.control(f"{graph.ops[r].name}->all_reduce:{name}")
             ed.add_output(r, token)
             tokens.append(token)
-        ready_at = max([*(graph.producer[g] for g in bucket.gradients), *pre])
         work, ready = ed.control(f"{name}.work"), ed.control(f"{name}.ready")
         all_reduce = Op(
             f"all_reduce:{name}",
@@ -238,7 +256,8 @@ def add_gradient_buckets(
         ed.append(all_reduce, ready_at + 0.5)
         first_use = min(post, default=len(graph.ops))
         ed.append(
-            Op(f"wait:{name}", WAIT_KIND, (work,), (ready,), compute_stream), max(first_use - 0.5, ready_at + 0.6)
+            Op(f"wait:{name}", WAIT_KIND, (work, *backward_done), (ready,), compute_stream),
+            max(first_use - 0.5, ready_at + 0.6),
         )
         for r in post:
             ed.add_input(r, ready)
@@ -271,9 +290,10 @@ def data_parallel_step(
     first_bucket_cap_bytes: int | None = None,
     pairs: Sequence[tuple[int, int]] | None = None,
     comm_stream: int = COMM_STREAM,
+    waits_after_backward: bool = False,
 ) -> Graph:
     """One rank's data-parallel training step: :func:`ddp_buckets` then :func:`add_gradient_buckets`."""
     buckets = ddp_buckets(graph, bucket_cap_bytes, first_bucket_cap_bytes, pairs)
-    stepped = add_gradient_buckets(graph, buckets, comm_stream=comm_stream)
+    stepped = add_gradient_buckets(graph, buckets, comm_stream=comm_stream, waits_after_backward=waits_after_backward)
     stepped.meta["bucket_cap_bytes"] = bucket_cap_bytes
     return stepped
