@@ -410,6 +410,12 @@ def test_ddp_plan_is_safe_and_the_collective_runs_on_one_block() -> None:
             assert offsets[b] == offsets[a] + -(-g.tensors[a].size_bytes // 64) * 64
 
 
+def test_excluding_a_bucket_member_from_the_arena_is_refused() -> None:
+    g = data_parallel_step(ddp_like_graph(4), bucket_cap_bytes=2000)
+    with pytest.raises(ContiguityConflict, match="'grad:w3' of contiguous group 0 is not placed"):
+        stream_problem(g, exclude={g.tensor_index["grad:w3"]})
+
+
 def test_an_update_reading_two_gradients_is_refused() -> None:
     g = ddp_like_graph(2)
     ops = list(g.ops)

@@ -12,8 +12,11 @@ set is pairwise unsafe, so its total size bounds the arena from below).
 * *interval cover*: when every unsafe pair also overlaps in the recorded order (true when
   every side-stream op's tensors are read again later on their own stream, as for DDP's
   all-reduces), a placement valid for the recorded order's lifetimes is valid for every
-  execution, and memplan's interval placement (which reaches the lower bound on the zoo)
-  applies; it is used only after checking that inclusion;
+  execution, and memplan's interval placement applies; it is used only after checking that
+  inclusion. Contiguous groups are tried first as single buffers spanning their members'
+  lifetimes (SOMAS's "union": fast, may overprotect), then as groups: CP-SAT at capacity =
+  lower bound, then minimising. (memplan's exact window solvers, which close the zoo's
+  single-stream graphs to the bound, take single buffers only, so groups leave a small gap);
 * CP-SAT on the pair problem (:func:`memplan.placement.exact.solve_exact`, OLLA eq. 7a/7b per
   unsafe pair), warm-started with the best so far, when the model is small enough;
 
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from memplan.errors import ContiguityConflict
 from memplan.graph.ir import Graph, TensorId
 from memplan.graph.liveness import lifetimes
 from memplan.graph.multistream import contiguous_groups
@@ -91,7 +95,7 @@ def stream_problem(
     index = {t: i for i, t in enumerate(tensors)}
     lives = {life.tensor: (life.start, life.end) for life in lifetimes(graph, order)}
     recorded = tuple(lives[t] for t in tensors)
-    groups = tuple(tuple(index[t] for t in g if t in index) for g in contiguous_groups(graph))
+    groups = tuple(tuple(index[t] for t in g if t in index) for g in _arena_groups(graph, index))
     conflicts = MatrixConflicts(safety.unsafe)
     sizes = [graph.tensors[t].size_bytes for t in tensors]
     padded = [-(-s // alignment_bytes) * alignment_bytes for s in sizes]
@@ -106,6 +110,19 @@ def stream_problem(
         cliques=cliques,
     )
     return StreamProblem(graph, order, tensors, problem, safety, recorded)
+
+
+def _arena_groups(graph: Graph, index: dict[TensorId, int]) -> tuple[tuple[TensorId, ...], ...]:
+    """The contiguous groups; a member with bytes left out of the arena breaks its group."""
+    groups = contiguous_groups(graph)
+    for g, members in enumerate(groups):
+        for t in members:
+            if t not in index and graph.tensors[t].size_bytes > 0:
+                raise ContiguityConflict(
+                    f"tensor {graph.tensors[t].name!r} of contiguous group {g} is not placed in the arena "
+                    "(persistent or excluded), so the group cannot lie back to back there"
+                )
+    return groups
 
 
 def _fullest_moments(
