@@ -39,6 +39,18 @@ class GraphFormatError(GraphError):
     """A graph or problem file could not be read."""
 
 
+class WaitCycle(CycleError):
+    """The streams of a multi-stream graph wait on each other in a circle (a deadlock)."""
+
+
+class MissingWait(GraphError):
+    """A collective's result is used (or never awaited) without waiting for the collective."""
+
+
+class ContiguityConflict(GraphError):
+    """A contiguous group cannot be laid out back to back, whatever the offsets."""
+
+
 class CaptureError(MemplanError):
     """A model step could not be captured as a static graph."""
 

@@ -25,6 +25,7 @@ from memplan.graph.analysis import peak_lower_bound
 from memplan.graph.io import write_graph_json
 from memplan.graph.ir import Graph
 from memplan.graph.liveness import peak_bytes
+from memplan.graph.multistream import is_multi_stream
 from memplan.report.format import format_bytes
 from memplan.sources import load_source
 
@@ -72,11 +73,21 @@ def analyze(
     mode: ModeOption = Mode.train,
     optimizer: OptimizerOption = OptimizerName.sgd,
     json_path: JsonOut = None,
+    time_limit: Annotated[
+        float, typer.Option("--time-limit", min=0.01, help="Seconds for a multi-stream graph's placement.")
+    ] = 10.0,
 ) -> None:
-    """Capture a step and print its size, its program-order peak and a lower bound."""
+    """Capture a step and print its size, its program-order peak and a lower bound; for a
+    multi-stream graph also its safe pairs and safe placements (SOMAS)."""
     graph = load_source(source, batch_size=batch_size, mode=mode.value, optimizer=optimizer.value)
     report = analysis_report(graph)
-    print_analysis(report, Console())
+    console = Console()
+    print_analysis(report, console)
+    if is_multi_stream(graph):
+        from memplan.streams.report import print_stream_report, stream_report
+
+        report["streams"] = stream_report(graph, time_limit_seconds=time_limit)
+        print_stream_report(report["streams"], console)
     write_json(json_path, report)
 
 

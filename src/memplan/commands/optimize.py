@@ -20,6 +20,7 @@ from memplan.commands.options import (
 )
 from memplan.graph.ir import Graph
 from memplan.graph.liveness import peak_bytes
+from memplan.graph.multistream import is_multi_stream
 from memplan.report.format import format_bytes, format_percent
 from memplan.schedule import ScheduleResult, optimize_order
 from memplan.sources import load_source
@@ -101,8 +102,16 @@ def optimize(
     graph = load_source(source, batch_size=batch_size, mode=mode.value, optimizer=optimizer.value)
     result = optimize_order(graph, time_limit_seconds=time_limit, method=method, progress=progress)
     report = optimize_report(graph, result)
-    report.update(placement_report(graph, list(result.order), time_limit))
-    print_report(report, Console())
+    console = Console()
+    if is_multi_stream(graph):  # one order's lifetimes do not say what may share: place by safe pairs
+        from memplan.streams.report import print_stream_report, stream_report
+
+        print_report(report, console)
+        report["streams"] = stream_report(graph, list(result.order), time_limit_seconds=time_limit)
+        print_stream_report(report["streams"], console, "multi-stream placement of the optimised order")
+    else:
+        report.update(placement_report(graph, list(result.order), time_limit))
+        print_report(report, console)
     write_json(json_path, report)
 
 

@@ -8,6 +8,14 @@ Format (version 1)::
               "stream": 0}]}
 
 Ops are listed in program order; they refer to tensors by name.
+
+Multi-stream graphs (see :mod:`memplan.graph.multistream`): each op's ``"stream"`` says where it
+runs; each stream runs its ops in the order listed, and ops on different streams are ordered only
+by their data and control edges (record/wait events, a collective's wait). The list as a whole
+may then interleave the streams in any way that runs every op after its inputs' producers; if it
+does not, memplan relists it (keeping each stream's order), and a cycle through the waits is an
+error. ``"meta": {"contiguous": [["g1", "g2"], ...]}`` lists groups of tensors to lay out back to
+back in the arena (an all-reduce bucket).
 """
 
 from __future__ import annotations
@@ -16,9 +24,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from memplan.errors import GraphFormatError
+from memplan.errors import CycleError, GraphFormatError, InvalidOrder
 from memplan.graph.check import validate_graph
 from memplan.graph.ir import Category, Graph, Op, Tensor, TensorId
+from memplan.graph.multistream import contiguous_groups, is_multi_stream, relist_streams
 
 FORMAT_NAME = "memplan-graph"
 FORMAT_VERSION = 1
@@ -87,7 +96,13 @@ def graph_from_dict(data: Any, source: str = "graph") -> Graph:
     except (KeyError, TypeError, ValueError) as err:
         raise GraphFormatError(f"{source}: malformed graph entry ({type(err).__name__}: {err})") from None
     graph = Graph(ops, tensors, str(data.get("name", "")), dict(data.get("meta", {})))
+    if is_multi_stream(graph):
+        try:
+            validate_graph(graph)
+        except (InvalidOrder, CycleError):  # the streams were listed one after another
+            graph = relist_streams(graph)
     validate_graph(graph)
+    contiguous_groups(graph)
     return graph
 
 

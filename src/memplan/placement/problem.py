@@ -103,7 +103,9 @@ class PlacementProblem:
 
     ``fixed_offsets`` maps a buffer to an offset it must take; ``contiguous`` lists groups of
     buffers that must lie back to back in the given order (SOMAS), each member starting where
-    the previous one's padded size ends; ``capacity_bytes`` caps the arena.
+    the previous one's padded size ends; ``capacity_bytes`` caps the arena. ``cliques`` lists
+    sets of buffers known to conflict pairwise (e.g. those live together at one moment of one
+    execution of a multi-stream step): each one's total size is a lower bound on the arena.
     """
 
     sizes_bytes: tuple[int, ...]
@@ -114,6 +116,7 @@ class PlacementProblem:
     fixed_offsets: Mapping[int, int] = field(default_factory=dict)
     contiguous: tuple[tuple[int, ...], ...] = ()
     capacity_bytes: int | None = None
+    cliques: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sizes_bytes", tuple(int(s) for s in self.sizes_bytes))
@@ -121,6 +124,7 @@ class PlacementProblem:
             object.__setattr__(self, "names", tuple(str(i) for i in range(len(self.sizes_bytes))))
         object.__setattr__(self, "fixed_offsets", dict(self.fixed_offsets))
         object.__setattr__(self, "contiguous", tuple(tuple(int(b) for b in g) for g in self.contiguous))
+        object.__setattr__(self, "cliques", tuple(tuple(int(b) for b in c) for c in self.cliques))
         _check_problem(self)
 
     @classmethod
@@ -174,6 +178,7 @@ def _check_problem(problem: PlacementProblem) -> None:
         raise PlacementError(f"capacity must be non-negative, got {problem.capacity_bytes}")
     _check_fixed(problem)
     _check_groups(problem)
+    _check_cliques(problem)
 
 
 def _check_lifetimes(problem: PlacementProblem) -> None:
@@ -212,6 +217,21 @@ def _check_groups(problem: PlacementProblem) -> None:
         }
         if len(starts) > 1:
             raise PlacementError(f"fixed offsets in contiguous group {[problem.names[b] for b in members]} disagree")
+
+
+def _check_cliques(problem: PlacementProblem) -> None:
+    """A clique that is not one would make the lower bound, and every "optimal", wrong."""
+    for members in problem.cliques:
+        for b in members:
+            if not 0 <= b < problem.num_buffers:
+                raise PlacementError(f"clique names unknown buffer {b}")
+        for k, i in enumerate(members):
+            conflicting = set(problem.conflicts.neighbors(i).tolist())
+            for j in members[k + 1 :]:
+                if j not in conflicting:
+                    raise PlacementError(
+                        f"buffers {problem.names[i]!r} and {problem.names[j]!r} of a clique do not conflict"
+                    )
 
 
 def group_prefixes(problem: PlacementProblem, members: Sequence[int]) -> list[int]:
@@ -261,8 +281,8 @@ def _lower_bound(problem: PlacementProblem) -> int:
 
     For interval conflicts that is the peak of a sweep over time, which is the max-weight
     clique of the interval graph and equals the estimator's peak (OLLA 5.4's RS). For general
-    conflicts any clique is a valid bound, so we take the heaviest of greedy cliques. Fixed
-    offsets and contiguous groups add their own bounds.
+    conflicts any clique is a valid bound, so we take the heaviest of greedy cliques and of the
+    problem's known ``cliques``. Fixed offsets and contiguous groups add their own bounds.
     """
     sizes = problem.padded_sizes_bytes
     bound = max(sizes, default=0)
@@ -274,6 +294,8 @@ def _lower_bound(problem: PlacementProblem) -> int:
         bound = max(bound, offset + sizes[b])
     for members in problem.contiguous:
         bound = max(bound, sum(sizes[b] for b in members))
+    for members in problem.cliques:
+        bound = max(bound, sum(sizes[b] for b in set(members)))
     return bound
 
 
