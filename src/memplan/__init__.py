@@ -1,14 +1,14 @@
 """memplan: plan the memory of PyTorch training and inference steps without changing their math.
 
 The core (``memplan.graph``, ``schedule``, ``placement``, ``remat``, ``streams``) never imports
-torch; ``compile_step``, ``compile_inference`` and ``optimize`` (torch needed) are loaded on
-first use.
+torch; ``compile``, ``compile_step``, ``compile_inference``, ``plan_step`` and ``optimize``
+(torch needed) are loaded on first use.
 """
 
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["compile_inference", "compile_step", "optimize"]
+__all__ = ["compile", "compile_inference", "compile_step", "optimize", "plan_step"]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,18 +1,34 @@
-"""The Python API in three lines::
+"""The Python API.
+
+The step-function form, as one writes a step for ``torch.compile`` or ``jax.jit``::
+
+    @memplan.compile(model=model, optimizer=optimizer)
+    def train_step(batch):
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    for batch in loader:
+        loss = train_step(batch)
+
+and its short form for the classic loop::
 
     step = memplan.compile_step(model, optimizer, loss_fn, example_batch)
-    for batch in loader:
-        loss = step(batch)
+    loss = step(batch)        # loss_fn(model(x), y); backward; optimizer.step(); zero_grad()
 
-``compile_step`` captures the step on fake copies of the model and optimizer, plans it
-(order, then one arena with a static offset for every tensor) and returns a callable that runs
-the plan on the real model and optimizer. A batch of another shape gets its own plan (cached
-per shape); numerics equal eager PyTorch.
+The first call for a batch shape captures the step on fakes swapped into the user's objects
+(nothing allocated, nothing changed), plans it (order, then one arena with a static offset for
+every tensor) and runs the plan on the real model; later calls of that shape run the plan.
+Numerics equal eager PyTorch's; the model, optimizers, scaler and schedulers stay the user's
+ordinary objects.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch.utils import _pytree as pytree
@@ -20,10 +36,60 @@ from torch.utils import _pytree as pytree
 import torch
 from memplan.errors import MemplanError
 from memplan.pipeline import MemoryPlan, make_plan
-from memplan.torch.capture import Capture, capture_infer_step, capture_train_step
+from memplan.torch.capture import Capture, capture_infer_step, capture_step
+from memplan.torch.capture.trace import standard_step
 from memplan.torch.run.interpreter import Plan, StepRunner, allocator_tensors, optimizer_update_groups
 from memplan.torch.run.replay import ReplayedStep
-from memplan.torch.run.updates import check_optimizer
+from memplan.torch.run.updates import check_optimizers
+
+StepFn = Callable[[Any], Any]
+
+
+def plan_step(
+    fn: StepFn | None,
+    batch: Any,
+    *,
+    model: torch.nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+    scaler: Any = None,
+    schedulers: Sequence[Any] = (),
+    time_limit_seconds: float = 10.0,
+    reorder: bool = True,
+    allocator: str = "views",
+    recompute_copies: bool = True,
+) -> tuple[Capture, MemoryPlan]:
+    """Capture and plan one step ``fn(batch)``; returns the capture and the plan (with its
+    report). ``fn=None`` with no optimizer plans inference: ``with torch.no_grad(): model(batch)``.
+
+    ``allocator="views"`` keeps the outputs of ops without an arena kernel out of the arena
+    (the allocator holds them); ``"replay"`` plans one pool, as the planned allocator serves
+    every allocation. ``recompute_copies`` runs a forward copy (``cat``, ``clone``) again in
+    the backward where that lowers the peak: same bits, a copy's worth of time.
+    """
+    if fn is None:
+        capture = capture_infer_step(model, batch)
+    else:
+        check_optimizers(optimizers, model)
+        capture = capture_step(
+            fn,
+            batch,
+            model=model,
+            optimizers=optimizers,
+            scaler=scaler,
+            schedulers=schedulers,
+            recompute_copies=recompute_copies,
+        )
+    groups = optimizer_update_groups(capture) if capture.mode == "train" else []
+    plan = make_plan(
+        capture.graph,
+        time_limit_seconds=time_limit_seconds,
+        reorder=reorder,
+        atomic_groups=groups,
+        allocator_tensors=allocator_tensors(capture) if allocator == "views" else frozenset(),
+    )
+    plan.report["recomputed_copies"] = list(capture.recomputed)
+    plan.report["calls"] = [region.kind for region in capture.regions]
+    return capture, plan
 
 
 def optimize(
@@ -37,32 +103,21 @@ def optimize(
     allocator: str = "views",
     recompute_copies: bool = True,
 ) -> tuple[Capture, MemoryPlan]:
-    """Capture and plan one step; returns the capture and the plan (with its report).
-
-    With an optimizer and a loss function the step is a training step on
-    ``example_batch = (inputs, target)``; without, an inference step on ``example_batch``.
-    ``allocator="views"`` keeps the outputs of ops without an arena kernel out of the arena
-    (the allocator holds them); ``"replay"`` plans one pool, as the planned allocator serves
-    every allocation. ``recompute_copies`` runs a forward copy (``cat``, ``clone``) again in
-    the backward where that lowers the peak: same bits, a copy's worth of time.
-    """
-    if optimizer is None:
-        capture = capture_infer_step(model, example_batch)
-    else:
-        if loss_fn is None:
-            raise TypeError("a training step needs loss_fn(output, target)")
-        check_optimizer(optimizer, model)
-        capture = capture_train_step(model, optimizer, loss_fn, example_batch, recompute_copies=recompute_copies)
-    groups = optimizer_update_groups(capture, optimizer) if capture.mode == "train" else []
-    plan = make_plan(
-        capture.graph,
+    """:func:`plan_step` for the classic loop: with an optimizer and a loss function a training
+    step on ``example_batch = (inputs, target)``; without, an inference step."""
+    if optimizer is not None and loss_fn is None:
+        raise TypeError("a training step needs loss_fn(output, target)")
+    fn = standard_step(model, optimizer, loss_fn) if optimizer is not None else None
+    return plan_step(
+        fn,
+        example_batch,
+        model=model,
+        optimizers=[optimizer] if optimizer is not None else [],
         time_limit_seconds=time_limit_seconds,
         reorder=reorder,
-        atomic_groups=groups,
-        allocator_tensors=allocator_tensors(capture) if allocator == "views" else frozenset(),
+        allocator=allocator,
+        recompute_copies=recompute_copies,
     )
-    plan.report["recomputed_copies"] = list(capture.recomputed)
-    return capture, plan
 
 
 ALLOCATORS = ("auto", "replay", "views")
@@ -80,14 +135,16 @@ def resolve_allocator(name: str) -> str:
 
 
 class CompiledStep:
-    """A planned training (or inference) step; call it with a batch."""
+    """A planned training (or inference) step function; call it with a batch."""
 
     def __init__(
         self,
+        fn: StepFn | None,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
         *,
+        scaler: Any = None,
+        schedulers: Sequence[Any] = (),
         time_limit_seconds: float = 10.0,
         reorder: bool = True,
         allocator: str = "auto",
@@ -97,9 +154,12 @@ class CompiledStep:
         if allocator == "replay" and not on_cpu:
             raise MemplanError("allocator='replay' serves CPU memory only; use allocator='views' on this device")
         self.allocator = resolve_allocator(allocator) if on_cpu else "views"
+        self.fn = fn
         self.model = model
-        self.optimizer = optimizer
-        self.loss_fn = loss_fn
+        self.optimizers = list(optimizers)
+        self.optimizer = self.optimizers[0] if self.optimizers else None
+        self.scaler = scaler
+        self.schedulers = list(schedulers)
         self.time_limit_seconds = time_limit_seconds
         self.reorder = reorder
         self.recompute_copies = recompute_copies
@@ -113,24 +173,28 @@ class CompiledStep:
         """The runner for this batch's shapes, planned on first use."""
         key = shape_key(batch)
         if key not in self.runners:
-            capture, plan = optimize(
-                self.model,
-                self.optimizer,
-                self.loss_fn,
+            capture, plan = plan_step(
+                self.fn,
                 batch,
+                model=self.model,
+                optimizers=self.optimizers,
+                scaler=self.scaler,
+                schedulers=self.schedulers,
                 time_limit_seconds=self.time_limit_seconds,
                 reorder=self.reorder,
                 allocator=self.allocator,
                 recompute_copies=self.recompute_copies,
             )
             self.plans[key] = plan
+            offsets = (
+                Plan(tuple(plan.order))
+                if self.allocator == "replay"
+                else Plan(tuple(plan.order), plan.offsets, plan.arena_bytes)
+            )
+            runner = StepRunner(capture, offsets, self.model, self.optimizers, scaler=self.scaler)
             if self.allocator == "replay":
-                runner = StepRunner(capture, Plan(tuple(plan.order)), self.model, self.optimizer)
-                self.runners[key] = ReplayedStep(runner, time_limit_seconds=self.time_limit_seconds)
-            else:
-                self.runners[key] = StepRunner(
-                    capture, Plan(tuple(plan.order), plan.offsets, plan.arena_bytes), self.model, self.optimizer
-                )
+                runner = ReplayedStep(runner, time_limit_seconds=self.time_limit_seconds)
+            self.runners[key] = runner
         return self.runners[key]
 
     @property
@@ -147,6 +211,49 @@ def shape_key(batch: Any) -> tuple:
     return (str(spec), shapes)
 
 
+def compile(  # the name PyTorch users know (torch.compile)
+    fn: StepFn | None = None,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
+    scaler: Any = None,
+    scheduler: Any | Sequence[Any] = (),
+    time_limit_seconds: float = 10.0,
+    reorder: bool = True,
+    allocator: str = "auto",
+    recompute_copies: bool = True,
+) -> CompiledStep | Callable[[StepFn], CompiledStep]:
+    """Plan the whole step ``fn(batch)`` the user wrote: forward(s), ``backward()``, gradient
+    clipping, gradient accumulation over micro-batches, autocast, ``optimizer.step()``,
+    ``scaler.scale/step/update``, ``scheduler.step()``, ``optimizer.zero_grad()``.
+
+    ``model``, ``optimizer`` (one or a list), ``scaler`` (a ``torch.amp.GradScaler``) and
+    ``scheduler`` (one or a list of LR schedulers) are the objects ``fn`` uses; memplan swaps
+    fakes into them while it captures and makes their calls for real at run time. Used as a
+    decorator when ``fn`` is omitted. A step is planned on its first call for each batch
+    shape. The tensor ops of ``fn`` are what runs afterwards: Python side effects other than
+    those calls (a counter, a print) happen at capture only, and a step that reads a
+    tensor's value to decide what to do is refused.
+    """
+    optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+    schedulers = list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler] if scheduler else []
+
+    def build(step_fn: StepFn) -> CompiledStep:
+        return CompiledStep(
+            step_fn,
+            model,
+            optimizers,
+            scaler=scaler,
+            schedulers=schedulers,
+            time_limit_seconds=time_limit_seconds,
+            reorder=reorder,
+            allocator=allocator,
+            recompute_copies=recompute_copies,
+        )
+
+    return build if fn is None else build(fn)
+
+
 def compile_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -159,13 +266,14 @@ def compile_step(
     recompute_copies: bool = True,
 ) -> CompiledStep:
     """Plan ``loss = loss_fn(model(inputs), target); loss.backward(); optimizer.step();
-    optimizer.zero_grad(set_to_none=True)`` and return it as a callable ``step(batch)``.
+    optimizer.zero_grad(set_to_none=True)`` for ``example_batch = (inputs, target)`` and return
+    it as a callable ``step(batch)``: the short form of :func:`compile`.
     ``recompute_copies=False`` keeps every forward copy instead of running it again in the
     backward (:mod:`memplan.torch.capture.recompute`)."""
     step = CompiledStep(
+        standard_step(model, optimizer, loss_fn),
         model,
-        optimizer,
-        loss_fn,
+        [optimizer],
         time_limit_seconds=time_limit_seconds,
         reorder=reorder,
         allocator=allocator,
@@ -179,6 +287,6 @@ def compile_inference(
     model: torch.nn.Module, example_inputs: Any, *, time_limit_seconds: float = 10.0, allocator: str = "auto"
 ) -> CompiledStep:
     """Plan ``with torch.no_grad(): model(inputs)`` and return it as a callable."""
-    step = CompiledStep(model, None, None, time_limit_seconds=time_limit_seconds, allocator=allocator)
+    step = CompiledStep(None, model, time_limit_seconds=time_limit_seconds, allocator=allocator)
     step.runner_for(example_inputs)
     return step

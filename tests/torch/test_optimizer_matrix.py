@@ -90,7 +90,7 @@ class SkipsOneParameter(StepRunner):
             ins,
             param_names=tuple(ins.param_names[i] for i in keep),
             grad_nodes=tuple(ins.grad_nodes[i] for i in keep),
-            whole=False,
+            split=True,
         )
         if ins.param_names:
             super()._update(ins, env)
@@ -185,7 +185,7 @@ def test_a_parameter_the_optimizer_does_not_own_is_refused():
     opt = torch.optim.SGD(model.fc1.parameters(), lr=0.1)
     batch = (torch.randn(8, 16), torch.randint(0, 8, (8,)))
     with pytest.raises(
-        memplan.errors.UnsupportedOp, match=re.escape("'bn.weight' requires grad but the optimizer does not own")
+        memplan.errors.UnsupportedOp, match=re.escape("'bn.weight' requires grad but no optimizer owns it")
     ):
         memplan.compile_step(model, opt, torch.nn.functional.cross_entropy, batch)
 

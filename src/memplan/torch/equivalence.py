@@ -25,17 +25,20 @@ class StepState:
     buffers: dict[str, torch.Tensor]
     optimizer: dict[str, Any]
     rng: torch.Tensor
+    others: tuple[dict[str, Any], ...] = ()  # state_dict() of schedulers, scalers, more optimizers
 
 
-def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> StepState:
-    """Copy the model's parameters, gradients and buffers, the optimizer's ``state_dict`` and
-    the CPU random generator's state."""
+def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *others: Any) -> StepState:
+    """Copy the model's parameters, gradients and buffers, the optimizer's ``state_dict``, the
+    ``state_dict()`` of ``others`` (LR schedulers, a GradScaler, more optimizers) and the CPU
+    random generator's state."""
     return StepState(
         params={n: p.detach().clone() for n, p in model.named_parameters()},
         grads={n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()},
         buffers={n: b.detach().clone() for n, b in model.named_buffers()},
         optimizer=_clone(optimizer.state_dict()) if optimizer is not None else {},
         rng=torch.get_rng_state(),
+        others=tuple(_clone(o.state_dict()) for o in others),
     )
 
 
@@ -46,6 +49,8 @@ def differences(a: StepState, b: StepState) -> list[str]:
     out += _compare_dicts("gradient of", a.grads, b.grads)
     out += _compare_dicts("buffer", a.buffers, b.buffers)
     out += [f"optimizer {line}" for line in _compare_values("state_dict", a.optimizer, b.optimizer)]
+    for i, (x, y) in enumerate(zip(a.others, b.others, strict=True)):
+        out += [f"object {i}: {line}" for line in _compare_values("state_dict", x, y)]
     if not bitwise_equal(a.rng, b.rng):
         out.append("random generator state")
     return out

@@ -3,7 +3,14 @@ optimizer (:mod:`.trace`, :mod:`.fake`), then capture passes on the traced progr
 (:mod:`.recompute`)."""
 
 from memplan.torch.capture.marks import BACKWARD_MARK, RELEASE_KIND
-from memplan.torch.capture.trace import Capture, LossFn, call_model, capture_infer_step, capture_train_step
+from memplan.torch.capture.trace import (
+    Capture,
+    LossFn,
+    call_model,
+    capture_infer_step,
+    capture_step,
+    capture_train_step,
+)
 
 __all__ = [
     "BACKWARD_MARK",
@@ -12,5 +19,6 @@ __all__ = [
     "LossFn",
     "call_model",
     "capture_infer_step",
+    "capture_step",
     "capture_train_step",
 ]

@@ -25,14 +25,15 @@ from typing import Any
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch
 from memplan.errors import CaptureError, DataDependentControlFlow, DynamicShape, UnsupportedOp
 from memplan.graph.check import validate_graph
 from memplan.graph.ir import Category, Graph, Op, OpId, Tensor, TensorId
-from memplan.torch.capture.fake import fake_clone_module, fake_clone_optimizer, fake_mode_of, new_fake_mode
-from memplan.torch.capture.marks import BACKWARD_MARK, RELEASE_KIND
+from memplan.torch.capture.fake import fake_clone_module, fake_mode_of, new_fake_mode
+from memplan.torch.capture.marks import BACKWARD_MARK, CALL_KIND, CALL_MARK, RELEASE_KIND
+from memplan.torch.capture.regions import CallRegion, RegionRecorder
+from memplan.torch.capture.swap import SCALER_TENSORS, FakeSwap
 from memplan.torch.tensors import is_random, storage_key, tensor_leaves, written_storages
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -58,6 +59,10 @@ class Capture:
     # state as eager's step leaves it (read off the fake optimizer after the traced step)
     optimizer_state_meta: dict[str, dict[str, tuple]] = field(default_factory=dict)
     optimizer_scalar_stand_ins: int = 0  # tensor values the traced optimizer read (see OptimizerScalars)
+    regions: list[CallRegion] = field(default_factory=list)  # calls of stateful objects (regions.py)
+    op_region: list[int] = field(default_factory=list)  # op -> index of the call it belongs to, -1 if none
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    scaler: Any = None
 
 
 def call_model(model: torch.nn.Module, inputs: Any) -> Any:
@@ -79,72 +84,110 @@ def capture_train_step(
     recompute_copies: bool = False,
 ) -> Capture:
     """Capture ``loss = loss_fn(model(inputs), target); loss.backward(); optimizer.step();
-    optimizer.zero_grad(set_to_none=True)`` for ``batch = (inputs, target)``.
+    optimizer.zero_grad(set_to_none=True)`` for ``batch = (inputs, target)``: the short form
+    of :func:`capture_step`."""
+    return capture_step(
+        standard_step(model, optimizer, loss_fn),
+        batch,
+        model=model,
+        optimizers=[optimizer],
+        name=name,
+        recompute_copies=recompute_copies,
+    )
 
-    The user's model and optimizer are never modified: capture runs on fake copies. The
-    steady-state step is captured: if the optimizer has no state yet (it is created lazily by
-    the first ``step()``), one fake step creates it first. ``recompute_copies`` runs copies
-    again in the backward where that lowers the peak (:mod:`memplan.torch.capture.recompute`).
-    """
-    model, optimizer, batch, mode = _fake_setup(model, optimizer, batch)
 
-    def step(flat_batch: list[torch.Tensor]) -> torch.Tensor:
-        inputs, target = pytree.tree_unflatten(flat_batch, spec)
+def standard_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> Callable[[Any], Any]:
+    """The step :func:`memplan.compile_step` plans, as a step function of ``(inputs, target)``."""
+
+    def step(batch: tuple[Any, Any]) -> torch.Tensor:
+        inputs, target = batch
         loss = loss_fn(call_model(model, inputs), target)
-        with torch.autograd.profiler.record_function(BACKWARD_MARK):
-            loss.backward()
-        with OptimizerScalars() as scalars:
-            optimizer.step()
-        stand_ins.append(scalars.stand_ins)
+        loss.backward()
+        optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    stand_ins: list[int] = []
-    flat, spec = pytree.tree_flatten(batch)
+    return step
+
+
+def capture_step(
+    fn: Callable[[Any], Any],
+    batch: Any,
+    *,
+    model: torch.nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+    scaler: Any = None,
+    schedulers: Sequence[Any] = (),
+    name: str = "",
+    recompute_copies: bool = False,
+) -> Capture:
+    """Capture the whole step ``fn(batch)``: forward(s), backward(s), gradient clipping, the
+    optimizers' and scaler's calls, as the user wrote it.
+
+    ``fn`` closes over the user's own ``model``, ``optimizers``, ``scaler`` and
+    ``schedulers``; while it is traced they hold fakes (:mod:`.swap`), restored afterwards, so
+    nothing is allocated or changed. Calls of the stateful objects are marked (:mod:`.regions`):
+    the runtime makes them for real at their place in the planned order. The steady-state step
+    is captured: if an optimizer has no state yet, one fake run creates it first. The step must
+    leave no gradient on a parameter (end it with ``zero_grad()``).
+    """
+    mode = fake_mode_of(model) or new_fake_mode()
     _check_trainable(model)
-    with mode:
-        if not optimizer.state:
-            _guarded(step, flat)  # creates the optimizer state lazily: plan the steady state
-        grads = _GradRecorder(model)
-    categories = _persistent_categories(model, optimizer)
-    start = time.perf_counter()
-    try:
-        gm = _trace(step, flat)
-    finally:
-        grads.remove()
+    if scaler is not None and scaler.is_enabled() and scaler._scale is None:
+        scaler._lazy_init_scale_growth_tracker(next(model.parameters()).device)  # as its first scale() would
+    flat, spec = pytree.tree_flatten(_fake_batch(batch, mode))
+
+    def run(flat_batch: list[torch.Tensor]) -> Any:
+        return fn(pytree.tree_unflatten(flat_batch, spec))
+
+    recorder = RegionRecorder(model, optimizers, scaler, schedulers)
+    with FakeSwap(mode, model, optimizers, scaler), recorder.installed():
+        if any(not opt.state for opt in optimizers):
+            with mode:
+                _guarded(run, flat)  # creates the optimizers' state lazily: plan the steady state
+            _refuse_leftover_gradients(model)
+        recorder.reset()
+        with mode:
+            grads = _GradRecorder(model)
+        categories = _persistent_categories(model, optimizers, scaler)
+        start = time.perf_counter()
+        try:
+            gm = _trace(run, flat)
+        finally:
+            grads.remove()
+        _refuse_leftover_gradients(model)
+        state_meta = {k: v for opt in optimizers for k, v in optimizer_state_meta(model, opt).items()}
+    if not recorder.regions and optimizers:
+        raise CaptureError("the step never calls optimizer.step(): memplan plans whole training steps")
+    regions = recorder.regions
+
+    def to_capture(g: torch.fx.GraphModule, seconds: float) -> Capture:
+        return _to_capture(g, categories, grads.storages, "train", seconds, name, regions)
+
     recomputed: list[str] = []
     if recompute_copies:
         from memplan.torch.capture.recompute import recompute_copies as recompute
 
-        recomputed = recompute(gm, lambda g: _to_capture(g, categories, grads.storages, "train", 0.0, name).graph)
+        recomputed = recompute(gm, lambda g: to_capture(g, 0.0).graph)
         gm.recompile()
-    seconds = time.perf_counter() - start
-    capture = _to_capture(gm, categories, grads.storages, "train", seconds, name)
+    capture = to_capture(gm, time.perf_counter() - start)
     capture.recomputed = recomputed
     capture.grad_storage_by_param = dict(grads.by_param)
-    capture.optimizer_state_meta = optimizer_state_meta(model, optimizer)
-    capture.optimizer_scalar_stand_ins = stand_ins[-1]
+    capture.optimizer_state_meta = state_meta
+    capture.optimizer_scalar_stand_ins = recorder.stand_ins
     capture.batch_spec = spec
+    capture.optimizers = list(optimizers)
+    capture.scaler = scaler
     return capture
 
 
-class OptimizerScalars(TorchDispatchMode):
-    """While the optimizer's step is traced, a tensor value it reads in Python (ASGD's
-    ``mu.item()``, Adafactor's parameter norm) is a stand-in (1) where the fake tensor does not
-    know it. The traced update is only the plan's account of the update's memory and of which
-    parameters it reads: the runtime runs the user's real optimizer, which reads the real
-    values. ``stand_ins`` counts them (a branch they decide may be traced the other way)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.stand_ins = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.ops.aten._local_scalar_dense.default and getattr(args[0], "constant", None) is None:
-            self.stand_ins += 1
-            return True if args[0].dtype == torch.bool else 1 if not args[0].is_floating_point() else 1.0
-        return func(*args, **kwargs)
+def _refuse_leftover_gradients(model: torch.nn.Module) -> None:
+    left = [name for name, p in model.named_parameters() if p.grad is not None]
+    if left:
+        raise CaptureError(
+            f"the step leaves a gradient on {len(left)} parameter(s) ({left[0]}, ...): memplan plans steps that "
+            "clear them; end the step with optimizer.zero_grad() (set_to_none=True)"
+        )
 
 
 def optimizer_state_meta(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, tuple]]:
@@ -167,7 +210,7 @@ def capture_infer_step(model: torch.nn.Module, inputs: Any, *, name: str = "") -
         mode = new_fake_mode()
         model, _ = fake_clone_module(model, mode)
     inputs = _fake_batch(inputs, mode)
-    categories = _persistent_categories(model, None)
+    categories = _persistent_categories(model)
 
     def step(flat_inputs: list[torch.Tensor]) -> Any:
         with torch.no_grad():
@@ -179,15 +222,6 @@ def capture_infer_step(model: torch.nn.Module, inputs: Any, *, name: str = "") -
     capture = _to_capture(gm, categories, set(), "infer", time.perf_counter() - start, name)
     capture.batch_spec = spec
     return capture
-
-
-def _fake_setup(model, optimizer, batch):
-    mode = fake_mode_of(model)
-    if mode is None:
-        mode = new_fake_mode()
-        model, fakes = fake_clone_module(model, mode)
-        optimizer = fake_clone_optimizer(optimizer, fakes, mode)
-    return model, optimizer, _fake_batch(batch, mode), mode
 
 
 def _fake_batch(batch: Any, mode) -> Any:
@@ -228,15 +262,22 @@ class _GradRecorder:
             h.remove()
 
 
-def _persistent_categories(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[int, tuple]:
+def _persistent_categories(
+    model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer] = (), scaler: Any = None
+) -> dict[int, tuple]:
     """``storage key -> (category, name)`` of every tensor that outlives the step."""
     out: dict[int, tuple] = {}
     for name, p in model.named_parameters(remove_duplicate=True):
         out.setdefault(storage_key(p), (Category.PARAMETER, f"param:{name}"))
     for name, b in model.named_buffers(remove_duplicate=True):
         out.setdefault(storage_key(b), (Category.BUFFER, f"buffer:{name}"))
-    if optimizer is not None:
-        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
+    if scaler is not None:
+        for attr in SCALER_TENSORS:
+            value = getattr(scaler, attr, None)
+            if isinstance(value, torch.Tensor):
+                out.setdefault(storage_key(value), (Category.OPTIMIZER_STATE, f"scaler:{attr}"))
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
+    for optimizer in optimizers:
         for p, state in optimizer.state.items():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
@@ -297,6 +338,12 @@ class _Builder:
         self.last_rng: OpId | None = None
         self.phase = "forward"
         self.op_phase: list[str] = []
+        self.region = -1  # the call (capture/regions.py) whose ops are being visited
+        self.op_region: list[int] = []
+        self.spans: dict[str, tuple[str, str, int]] = {}  # enter node -> (span name, phase, region) before it
+        self.region_ops: dict[int, list[OpId]] = {}
+        self.region_start: dict[int, OpId] = {}
+        self.region_end: dict[int, OpId] = {}
 
     # ---- tensors and ops
     def new_tensor(self, name: str, size: int, category: Category, persistent: bool = False) -> TensorId:
@@ -310,7 +357,49 @@ class _Builder:
         self.node_of_op.append(name)
         phase = {"placeholder": "input", RELEASE_KIND: "release"}.get(kind, self.phase)
         self.op_phase.append(phase)
-        return OpId(len(self.ops) - 1)
+        op = OpId(len(self.ops) - 1)
+        region = self.region if kind not in ("placeholder", RELEASE_KIND) else -1
+        self.op_region.append(region)
+        if region >= 0:
+            self.region_ops.setdefault(region, []).append(op)
+            if region in self.region_start:  # a call's ops run after the calls before it (see enter_span)
+                self._add_input(op, self.control_of(self.region_start[region]))
+        return op
+
+    # ---- spans: backward() and calls of stateful objects (capture/regions.py)
+    def enter_span(self, node: torch.fx.Node, span: str) -> None:
+        self.spans[node.name] = (span, self.phase, self.region)
+        if span == BACKWARD_MARK:
+            self.phase = "backward"
+        elif span.startswith(CALL_MARK) and self.region < 0:
+            self.phase, self.region = "optimizer", int(span[len(CALL_MARK) :])
+            previous = self.region_end.get(self.region - 1)
+            start = self.new_op(f"{span}:start", CALL_KIND, [], [])
+            if previous is not None:
+                self._add_input(start, self.control_of(previous))
+            self.region_start[self.region] = start
+
+    def exit_span(self, enter: torch.fx.Node) -> None:
+        span, phase, region = self.spans.pop(enter.name, ("", self.phase, self.region))
+        if span.startswith(CALL_MARK) and region < 0 and self.region >= 0:
+            members = list(self.region_ops[self.region])
+            end = self.new_op(f"{span}:end", CALL_KIND, [self.control_of(m) for m in members], [])
+            self.region_end[self.region] = end
+        self.phase, self.region = phase, region
+
+    def order_after_regions(self) -> None:
+        """An op outside a call that reads what one of the call's ops made (data or order)
+        runs after the whole call: the runtime makes the call as one, at its end."""
+        made_in: dict[TensorId, int] = {}
+        for op_id, op in enumerate(self.ops):
+            if self.op_region[op_id] >= 0:
+                for t in op.outputs:
+                    made_in[t] = self.op_region[op_id]
+        for op_id, op in enumerate(list(self.ops)):
+            if self.op_region[op_id] >= 0:
+                continue
+            for region in {made_in[t] for t in op.inputs if t in made_in}:
+                self._add_input(OpId(op_id), self.control_of(self.region_end[region]))
 
     def control_of(self, op: OpId) -> TensorId:
         """A 0-byte control tensor produced by ``op`` (created once, attached afterwards)."""
@@ -428,7 +517,13 @@ class _Builder:
 
 
 def _to_capture(
-    gm: torch.fx.GraphModule, categories: dict[int, tuple], grads: set[int], mode: str, seconds: float, name: str
+    gm: torch.fx.GraphModule,
+    categories: dict[int, tuple],
+    grads: set[int],
+    mode: str,
+    seconds: float,
+    name: str,
+    regions: Sequence[CallRegion] = (),
 ) -> Capture:
     builder = _Builder(categories, grads, mode)
     for node in gm.graph.nodes:
@@ -442,6 +537,7 @@ def _to_capture(
         elif node.op == "call_function":
             _visit_call(builder, node)
         elif node.op == "output":
+            builder.order_after_regions()
             if mode == "train":
                 builder.release_gradients()
             builder.output(node)
@@ -454,7 +550,10 @@ def _to_capture(
         {"mode": mode, "capture_seconds": round(seconds, 3)},
     )
     validate_graph(graph)
-    return Capture(graph, gm, mode, seconds, builder.node_of_op, dict(builder.storage_tensor), builder.op_phase)
+    capture = Capture(graph, gm, mode, seconds, builder.node_of_op, dict(builder.storage_tensor), builder.op_phase)
+    capture.regions = list(regions)
+    capture.op_region = builder.op_region
+    return capture
 
 
 def _visit_call(builder: _Builder, node: torch.fx.Node) -> None:
@@ -464,10 +563,10 @@ def _visit_call(builder: _Builder, node: torch.fx.Node) -> None:
         return
     namespace = getattr(target, "namespace", "")
     if namespace in _SKIPPED_NAMESPACES:
-        if node.args and node.args[0] == BACKWARD_MARK:
-            builder.phase = "backward"
-        elif node.args and isinstance(node.args[0], str) and node.args[0].startswith("Optimizer.step"):
-            builder.phase = "optimizer"
+        if target is torch.ops.profiler._record_function_enter_new.default:
+            builder.enter_span(node, node.args[0] if node.args and isinstance(node.args[0], str) else "")
+        elif node.args and isinstance(node.args[0], torch.fx.Node):
+            builder.exit_span(node.args[0])
         builder.value_refs[node.name] = []
         return
     if not isinstance(target, torch._ops.OpOverload):

@@ -6,9 +6,11 @@ Forward and backward ops are interpreted from the traced fx program on the real 
 parameters and buffers. An op writes a fresh output straight into its arena view through its
 ``out=`` overload when that overload has a real kernel; otherwise it computes and the result
 is copied into its view (a counted fallback). The optimizer is the user's own: at the planned
-position of each parameter's update, the real ``optimizer.step()`` runs on that one parameter,
-so step counts, learning-rate changes and state stay the optimizer's and numerics equal eager
-PyTorch exactly. Parameters and optimizer state are never copied.
+position of each update group (:mod:`memplan.torch.run.updates`), the real ``optimizer.step()``
+runs on that group's parameters, and every other call of a stateful object the step makes
+(``scaler.step``, ``scaler.update``, ``scheduler.step``) is made for real at its place, so step
+counts, learning-rate changes, skipped steps and state stay the user's objects' and numerics
+equal eager PyTorch exactly. Parameters and optimizer state are never copied.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from memplan.errors import MemplanError, UnsupportedOp
 from memplan.graph.ir import Graph, TensorId
 from memplan.torch.capture import Capture
 from memplan.torch.run.selfcheck import SelfCheck
-from memplan.torch.run.updates import UpdateGroup, check_optimizer, update_groups, updates_are_independent
+from memplan.torch.run.updates import UpdateGroup, check_optimizers, update_groups
 from memplan.torch.tensors import storage_key, tensor_leaves
 
 ARENA_ALIGNMENT_BYTES = 64
@@ -84,7 +86,8 @@ class _Update:
     param_names: tuple[str, ...]
     grad_nodes: tuple[torch.fx.Node, ...]
     traced: tuple[_Call, ...] = ()  # the update's ops as traced, in program order
-    whole: bool = False  # one step() over the optimizer's own param groups (see run/updates.py)
+    region: int = 0  # the call it makes (Capture.regions)
+    split: bool = False  # optimizer.step() on ``param_names`` only, not the whole call (run/updates.py)
 
 
 def plannable_tensors(graph: Graph) -> list[TensorId]:
@@ -104,15 +107,19 @@ class StepRunner:
         capture: Capture,
         plan: Plan,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
         device: torch.device | str = "cpu",
         *,
         reuse_dying_inputs: bool = True,
+        scaler: Any = None,
     ) -> None:
         self.capture = capture
         self.plan = plan
         self.model = model
-        self.optimizer = optimizer
+        self.optimizers = _as_list(optimizer)
+        self.optimizer = self.optimizers[0] if self.optimizers else None
+        self.scaler = scaler
+        self._objects = self._runtime_objects()
         self.graph = capture.graph
         self.nodes = {n.name: n for n in capture.gm.graph.nodes}
         self._check_plan()
@@ -129,7 +136,7 @@ class StepRunner:
         self._params = dict(model.named_parameters())
         self._buffers = dict(model.named_buffers())
         self._attrs: dict[str, Any] | None = None
-        self.self_check = SelfCheck(capture, model, optimizer)
+        self.self_check = SelfCheck(capture, model, self.optimizers, scaler)
         self._next_check: str | None = "full"
         self.last_step_observed = False
 
@@ -138,8 +145,12 @@ class StepRunner:
         from memplan.graph.check import validate_order
 
         validate_order(self.graph, self.plan.order)
-        if self.capture.mode == "train" and self.optimizer is None:
-            raise MemplanError("a training plan needs the optimizer whose steps it runs")
+        if self.capture.mode == "train" and len(self.optimizers) != len(self.capture.optimizers):
+            raise MemplanError(
+                f"the plan's step calls {len(self.capture.optimizers)} optimizer(s); give the runner the same ones"
+            )
+        if (self.capture.scaler is None) != (self.scaler is None):
+            raise MemplanError("the plan's step uses a GradScaler exactly when the runner is given one")
         for t, offset in self.plan.offsets.items():
             size = self.graph.tensors[t].size_bytes
             if offset % ARENA_ALIGNMENT_BYTES or offset < 0 or offset + size > self.plan.arena_bytes:
@@ -155,9 +166,9 @@ class StepRunner:
             if phase == "optimizer":
                 group = groups.get(op_id)
                 if group is not None:
-                    traced = tuple(self._call(-1, m) for m in group.ops)
+                    traced = tuple(self._call(-1, m) for m in group.ops if self.capture.node_of_op[m] in self.nodes)
                     grads = tuple(self.nodes[n] for n in group.grad_nodes)
-                    instructions.append(_Update(position, group.params, grads, traced, group.whole))
+                    instructions.append(_Update(position, group.params, grads, traced, group.region, group.split))
                 continue
             instructions.append(self._call(position, op_id))
         return instructions
@@ -167,10 +178,20 @@ class StepRunner:
         gradient it reads is ready."""
         if self.capture.mode != "train":
             return {}
-        check_optimizer(self.optimizer, self.model)
+        check_optimizers(self.optimizers, self.model)
         position = {op: i for i, op in enumerate(self.plan.order)}
-        groups = update_groups(self.capture, independent=updates_are_independent(self.optimizer))
-        return {max(g.ops, key=position.__getitem__): g for g in groups}
+        return {max(g.ops, key=position.__getitem__): g for g in update_groups(self.capture)}
+
+    def _runtime_objects(self) -> dict[int, Any]:
+        """``id(captured object) -> the object to call``: the step may have been captured on
+        other (fake) optimizers and scaler than the ones this runner is given."""
+        objects: dict[int, Any] = {id(c): r for c, r in zip(self.capture.optimizers, self.optimizers, strict=False)}
+        if self.capture.scaler is not None:
+            objects[id(self.capture.scaler)] = self.scaler
+        return objects
+
+    def _real(self, value: Any) -> Any:
+        return self._objects.get(id(value), value)
 
     def _call(self, position: int, op_id: int) -> _Call:
         call = self._strategy(position, op_id)
@@ -357,6 +378,8 @@ class StepRunner:
             return self._buffers[key]
         if kind == "state":
             return None  # read only by optimizer ops, which the real optimizer runs
+        if kind == "scaler":
+            return getattr(self.scaler, key)
         constant = getattr(fake, "constant", None)
         if constant is not None:
             return constant
@@ -411,18 +434,24 @@ class StepRunner:
         return typed.as_strided(meta.shape, meta.stride(), typed.storage_offset() + meta.storage_offset())
 
     def _update(self, ins: _Update, env: dict[str, Any]) -> None:
-        """Run the user's optimizer on the parameters of one update group, whose gradients
-        are ready (OLLA 4.3); their ``.grad`` is set for the call only."""
+        """Make one call of the step's stateful objects (an optimizer's update of one group of
+        parameters whose gradients are ready, OLLA 4.3; a scaler's step; ...) for real, with
+        the gradients of that moment set as ``.grad`` for the call only."""
         params = [self._params[name] for name in ins.param_names]
         for param, grad_node in zip(params, ins.grad_nodes, strict=True):
             param.grad = _resolve(grad_node, env)
+        region = self.capture.regions[ins.region]
+        replay = _ReplayIntoArena(self, ins.traced) if self.plan.offsets else contextlib.nullcontext()
         try:
-            with contextlib.nullcontext() if ins.whole else _only_params(self.optimizer, params):
-                if self.plan.offsets:
-                    with _ReplayIntoArena(self, ins.traced):
-                        self.optimizer.step()
-                else:  # nothing planned into arena views (the planned allocator serves addresses)
-                    self.optimizer.step()
+            if ins.split:
+                optimizer = self._real(region.owner)
+                with _only_params(optimizer, params), replay:
+                    optimizer.step(*region.args, **region.kwargs)
+            else:
+                args = tuple(self._real(a) for a in region.args)
+                kwargs = {k: self._real(v) for k, v in region.kwargs.items()}
+                with replay:
+                    getattr(self._real(region.owner), region.method)(*args, **kwargs)
         finally:
             for param in params:
                 param.grad = None
@@ -512,11 +541,16 @@ def _writes_into_arena(node: torch.fx.Node, num_fresh: int) -> bool:
     return out_op is not None and len(names) == num_fresh
 
 
-def optimizer_update_groups(capture: Capture, optimizer: torch.optim.Optimizer) -> list[tuple[int, ...]]:
+def optimizer_update_groups(capture: Capture) -> list[tuple[int, ...]]:
     """The ops of each update group, which the runtime runs together (see
     :func:`memplan.pipeline.make_groups_contiguous` and :mod:`memplan.torch.run.updates`)."""
-    groups = update_groups(capture, independent=updates_are_independent(optimizer))
-    return [g.ops for g in groups]
+    return [g.ops for g in update_groups(capture)]
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 @contextlib.contextmanager

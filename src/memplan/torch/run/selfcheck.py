@@ -23,7 +23,7 @@ checking); a violation raises :class:`memplan.errors.SelfCheckFailed` naming wha
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +46,9 @@ class StepExpectations:
     grads_cleared: bool = True
 
 
-def expectations(capture: Capture, optimizer: torch.optim.Optimizer | None, model: torch.nn.Module) -> StepExpectations:
+def expectations(
+    capture: Capture, optimizers: Sequence[torch.optim.Optimizer], model: torch.nn.Module
+) -> StepExpectations:
     graph = capture.graph
     written = set()
     for op_id, op in enumerate(graph.ops):
@@ -60,10 +62,8 @@ def expectations(capture: Capture, optimizer: torch.optim.Optimizer | None, mode
         for node in capture.gm.graph.nodes
         if node.op == "call_function" and is_random(node.target)
     )
-    owned = set()
-    if optimizer is not None:
-        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        owned = {name for name, p in model.named_parameters() if id(p) in ids}
+    ids = {id(p) for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
+    owned = {name for name, p in model.named_parameters() if id(p) in ids}
     updated = frozenset(name for name in capture.grad_storage_by_param if name in owned)
     training = capture.mode == "train"
     return StepExpectations(updated, frozenset(written), random_ops, dict(capture.optimizer_state_meta), training)
@@ -94,10 +94,17 @@ class SelfCheck:
     """``with check.watch(): step(...)`` raises :class:`SelfCheckFailed` if the step did not
     change exactly what eager's step changes (see the module docstring)."""
 
-    def __init__(self, capture: Capture, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        self.expected = expectations(capture, optimizer, model)
+    def __init__(
+        self,
+        capture: Capture,
+        model: torch.nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+        scaler: Any = None,
+    ) -> None:
+        self.optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+        self.expected = expectations(capture, self.optimizers, model)
         self.model = model
-        self.optimizer = optimizer
+        self.scaler = scaler
 
     @contextlib.contextmanager
     def watch(self, *, observe_ops: bool = True) -> Iterator[None]:
@@ -105,27 +112,43 @@ class SelfCheck:
         mode (optimizer state, gradients): a Python dispatch mode wraps scalars into tensors,
         which changes the allocation sequence the planned allocator replays."""
         before = self._state_before()
+        scale_before = self._scale()
         witness = _Witness({name for name, _ in self.expected.random_ops})
         with witness if observe_ops else contextlib.nullcontext():
             yield
+        skipped = self._scaler_skipped(before, scale_before)
         if observe_ops:
-            self._check_writes(witness.written)
+            self._check_writes(witness.written, skipped)
             self._check_random(witness.random_ops)
-        self._check_state(before)
+        if not skipped:
+            self._check_state(before)
         self._check_grads()
 
-    def _check_writes(self, written: set[int]) -> None:
-        _check_written("parameter", self.model.named_parameters(), self.expected.updated_params, written)
+    def _scale(self) -> float | None:
+        scale = getattr(self.scaler, "_scale", None) if self.scaler is not None else None
+        return float(scale.item()) if isinstance(scale, torch.Tensor) else None
+
+    def _scaler_skipped(self, before: dict[str, dict[str, Any]], scale_before: float | None) -> bool:
+        """A GradScaler skips the whole update when a gradient is not finite, and backs its
+        scale off: then no parameter may be written and no state may change."""
+        if scale_before is None or (self._scale() or 0.0) >= scale_before:
+            return False
+        after = {name: _summary(state) for name, state in self._states().items()}
+        if after != before:
+            _fail("the scaler backed off (a gradient was not finite) but the optimizer state changed")
+        return True
+
+    def _check_writes(self, written: set[int], skipped: bool) -> None:
+        updated = frozenset() if skipped else self.expected.updated_params
+        _check_written("parameter", self.model.named_parameters(), updated, written)
         _check_written("buffer", self.model.named_buffers(), self.expected.written_buffers, written)
 
     def _state_before(self) -> dict[str, dict[str, Any]]:
         return {name: _summary(state) for name, state in self._states().items()}
 
     def _states(self) -> dict[str, dict[str, Any]]:
-        if self.optimizer is None:
-            return {}
         names = {id(p): n for n, p in self.model.named_parameters()}
-        return {names[id(p)]: state for p, state in self.optimizer.state.items() if id(p) in names}
+        return {names[id(p)]: state for opt in self.optimizers for p, state in opt.state.items() if id(p) in names}
 
     def _check_state(self, before: dict[str, dict[str, Any]]) -> None:
         after = self._states()

@@ -26,12 +26,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch.fx
-from torch.utils import _pytree as pytree
 
 import torch
 from memplan.errors import UnsupportedOp
 from memplan.torch.capture import Capture
-from memplan.torch.tensors import storage_key, tensor_leaves
+from memplan.torch.capture.marks import CALL_KIND, CALL_MARK
+from memplan.torch.tensors import storage_key
 
 # torch.optim optimizers whose step() updates each parameter from its own gradient and state
 # only (hyper-parameters come from its param group): a step over a subset of parameters
@@ -52,6 +52,7 @@ INDEPENDENT_OPTIMIZERS = frozenset(
         "Adafactor",
     }
 )
+GRADIENT_CALLS = frozenset({"optimizer.step", "scaler.step", "scaler.unscale_"})  # calls that read .grad
 REFUSED_OPTIMIZERS = {
     "LBFGS": "needs a closure that re-evaluates the model several times per step",
     "SparseAdam": "needs sparse gradients, which a planned step does not produce",
@@ -60,26 +61,31 @@ REFUSED_OPTIMIZERS = {
 
 @dataclass(frozen=True)
 class UpdateGroup:
-    """Parameters updated by one ``optimizer.step()`` call, the fx nodes holding their
-    gradients, and the traced optimizer ops of their update (program order)."""
+    """Ops the runtime runs as one call at the position of the last of them: the parameters
+    whose ``.grad`` the call needs, the fx nodes holding those gradients, the traced ops
+    (program order), the call (index into ``Capture.regions``) and whether the call is an
+    ``optimizer.step()`` split by parameter (run on ``params`` only) or the whole call."""
 
     params: tuple[str, ...]
     grad_nodes: tuple[str, ...]
     ops: tuple[int, ...]
-    whole: bool = False  # one step() over every parameter (the optimizer is not known to be independent)
+    region: int
+    split: bool = False
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> None:
+def check_optimizers(optimizers: Sequence[torch.optim.Optimizer], model: torch.nn.Module) -> None:
     """Refuse, in one line, an optimizer whose step a plan cannot run exactly as eager does."""
-    name = type(optimizer).__name__
-    if name in REFUSED_OPTIMIZERS and type(optimizer).__module__.startswith("torch.optim"):
-        raise UnsupportedOp(f"optimizer {name} is not supported: it {REFUSED_OPTIMIZERS[name]}")
-    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    owned: set[int] = set()
+    for optimizer in optimizers:
+        name = type(optimizer).__name__
+        if name in REFUSED_OPTIMIZERS and type(optimizer).__module__.startswith("torch.optim"):
+            raise UnsupportedOp(f"optimizer {name} is not supported: it {REFUSED_OPTIMIZERS[name]}")
+        owned |= {id(p) for group in optimizer.param_groups for p in group["params"]}
     for param_name, param in model.named_parameters():
         if param.requires_grad and id(param) not in owned:
             raise UnsupportedOp(
-                f"parameter {param_name!r} requires grad but the optimizer does not own it, so eager would "
-                "accumulate its .grad across steps; add it to the optimizer or set requires_grad=False"
+                f"parameter {param_name!r} requires grad but no optimizer owns it, so eager would "
+                "accumulate its .grad across steps; add it to an optimizer or set requires_grad=False"
             )
 
 
@@ -100,12 +106,55 @@ def updates_are_independent(optimizer: torch.optim.Optimizer) -> bool:
     return known and not any(hooks)
 
 
-def update_groups(capture: Capture, *, independent: bool) -> list[UpdateGroup]:
-    """The update groups of a captured training step (see the module docstring).
+def update_groups(capture: Capture) -> list[UpdateGroup]:
+    """The update groups of a captured training step (see the module docstring): each call of
+    a stateful object is one group, except an ``optimizer.step()`` of an optimizer that
+    updates parameters independently, which is split into the connected components of what
+    its traced ops read."""
+    grad_nodes = region_grad_nodes(capture)
+    groups: list[UpdateGroup] = []
+    for region in capture.regions:
+        ops = [op for op, r in enumerate(capture.op_region) if r == region.index]
+        bound = grad_nodes.get(region.index, {})
+        if region.kind == "optimizer.step" and updates_are_independent(region.owner):
+            groups += _split_by_parameter(capture, region.index, ops, bound)
+        else:
+            params = tuple(sorted(bound))
+            groups.append(UpdateGroup(params, tuple(bound[p] for p in params), tuple(ops), region.index))
+    _check_every_gradient_is_read(capture, groups)
+    return groups
 
-    Every parameter the traced optimizer reads belongs to exactly one group; with
-    ``independent=False`` there is one group of every parameter.
-    """
+
+def region_grad_nodes(capture: Capture) -> dict[int, dict[str, str]]:
+    """For each call, ``param name -> fx node`` holding the gradient the parameter had when
+    the call began (the node that last produced that exact tensor: same storage and layout)."""
+    latest: dict[tuple, str] = {}
+    found: dict[int, dict[str, str]] = {}
+    for node in capture.gm.graph.nodes:
+        span = _call_span(node)
+        if span is not None and span < len(capture.regions) and capture.regions[span].kind in GRADIENT_CALLS:
+            region = capture.regions[span]
+            missing = [p for p, key in region.grads.items() if key not in latest]
+            if missing:
+                raise UnsupportedOp(f"could not find the gradient of {missing[0]!r} that {region.kind}() reads")
+            found[span] = {p: latest[key] for p, key in region.grads.items()}
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            key = (storage_key(value), tuple(value.shape), tuple(value.stride()), value.storage_offset())
+            latest[key] = node.name
+    return found
+
+
+def _call_span(node: torch.fx.Node) -> int | None:
+    if node.op != "call_function" or node.target is not torch.ops.profiler._record_function_enter_new.default:
+        return None
+    name = node.args[0] if node.args else ""
+    return int(name[len(CALL_MARK) :]) if isinstance(name, str) and name.startswith(CALL_MARK) else None
+
+
+def _split_by_parameter(capture: Capture, region: int, ops: list[int], grads: dict[str, str]) -> list[UpdateGroup]:
+    """Union-find over the call's traced ops: parameters whose update ops read each other's
+    tensors (a foreach or fused op reads a whole param group) update together."""
     graph = capture.graph
     owner = _tensor_owners(capture)
     parent: dict[str, str] = {}
@@ -118,35 +167,30 @@ def update_groups(capture: Capture, *, independent: bool) -> list[UpdateGroup]:
         return p
 
     op_owner: dict[int, str] = {}
-    for op_id, op in enumerate(graph.ops):
-        if capture.op_phase[op_id] != "optimizer":
+    for op_id in ops:
+        op = graph.ops[op_id]
+        if op.kind == CALL_KIND:  # the call's start and end: they order calls, they update nothing
             continue
         roots = sorted({find(owner[t]) for t in op.inputs if t in owner})
         if not roots:
-            continue  # a constant the optimizer makes (``torch.tensor(1.0)``): it makes it again
+            continue  # a marker, or a constant the optimizer makes (``torch.tensor(1.0)``): it makes it again
         for other in roots[1:]:
             parent[find(other)] = roots[0]
         op_owner[op_id] = roots[0]
         for t in op.outputs:
             owner[t] = roots[0]
-    if not independent:
-        names = sorted(parent)
-        for p in names[1:]:
-            parent[find(p)] = find(names[0])
+    for p in grads:
+        find(p)
     members: dict[str, list[str]] = {}
     for p in parent:
         members.setdefault(find(p), []).append(p)
-    ops: dict[str, list[int]] = {}
+    group_ops: dict[str, list[int]] = {}
     for op_id, p in op_owner.items():
-        ops.setdefault(find(p), []).append(op_id)
-    nodes = {n.name: n for n in capture.gm.graph.nodes}
+        group_ops.setdefault(find(p), []).append(op_id)
     groups = []
-    for root, group_ops in ops.items():
-        params = tuple(sorted(members[root]))
-        op_nodes = [nodes[capture.node_of_op[o]] for o in group_ops]
-        grads = tuple(_grad_node(op_nodes, p, capture.grad_storage_by_param.get(p)) for p in params)
-        groups.append(UpdateGroup(params, grads, tuple(sorted(group_ops)), whole=not independent))
-    _check_every_gradient_is_read(capture, groups)
+    for root, member_ops in group_ops.items():
+        params = tuple(sorted(p for p in members[root] if p in grads))
+        groups.append(UpdateGroup(params, tuple(grads[p] for p in params), tuple(sorted(member_ops)), region, True))
     return groups
 
 
@@ -166,23 +210,11 @@ def _tensor_owners(capture: Capture) -> dict[int, str]:
     return owner
 
 
-def _grad_node(nodes: Sequence[torch.fx.Node], param: str, grad_key: int | None) -> str:
-    for node in nodes:
-        for arg in _nodes_in((node.args, node.kwargs)):
-            if any(storage_key(v) == grad_key for v in tensor_leaves(arg.meta.get("val"))):
-                return arg.name
-    raise UnsupportedOp(f"could not find the gradient the optimizer reads for parameter {param!r}")
-
-
-def _nodes_in(value: object) -> list[torch.fx.Node]:
-    return [a for a in pytree.tree_leaves(value) if isinstance(a, torch.fx.Node)]
-
-
 def _check_every_gradient_is_read(capture: Capture, groups: Sequence[UpdateGroup]) -> None:
     """Every parameter that gets a gradient is updated by some group, or the plan would skip
     its update; capture recorded the gradients apart from the optimizer ops, so this holds the
     grouping to an independent account."""
-    grouped = {p for g in groups for p in g.params}
+    grouped = {p for g in groups if capture.regions[g.region].optimizer is not None for p in g.params}
     for param in capture.grad_storage_by_param:
         if param not in grouped:
             raise UnsupportedOp(

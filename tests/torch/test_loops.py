@@ -1,0 +1,161 @@
+"""The step-function form (memplan.compile): the loops people write train bit for bit like the
+same function run eagerly, the user's objects come back untouched from capture, and what cannot
+be planned is refused in one line."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import memplan
+import torch
+from memplan.errors import CaptureError, DataDependentControlFlow
+from memplan.torch.loops import FEATURES, Setup, _setup, bert, gpt2, mlp, run_feature
+
+ROOT = Path(__file__).resolve().parents[2]
+MLP = mlp(width=64, batch=8)
+TINY_GPT2 = gpt2(hidden=32, layers=2, batch=4, seq=16, vocab=128)
+TINY_BERT = bert(hidden=32, layers=2, batch=4, seq=16, vocab=128)
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_every_loop_feature_trains_like_eager_on_an_mlp(feature):
+    result = run_feature(MLP, FEATURES[feature], steps=3, time_limit_seconds=0.5)
+    assert result.works, result
+    assert result.max_abs_diff == 0.0
+
+
+HF_CASES = [
+    (TINY_GPT2, "dict batch, loss from the output"),
+    (TINY_GPT2, "gradient accumulation (2 micro-batches)"),
+    (TINY_GPT2, "float16 + GradScaler (skipped steps)"),
+    (TINY_BERT, "nested batch"),
+    (TINY_BERT, "clip_grad_norm_"),
+    (TINY_BERT, "autocast bfloat16"),
+]
+
+
+@pytest.mark.parametrize(("spec", "feature"), HF_CASES, ids=[f"{s.name}-{f}" for s, f in HF_CASES])
+def test_hf_models_with_their_loss_in_the_output(spec, feature):
+    result = run_feature(spec, FEATURES[feature], steps=3, time_limit_seconds=0.5)
+    assert result.works and result.max_abs_diff == 0.0, result
+
+
+def test_the_scaler_feature_really_skips_steps_and_memplan_skips_the_same():
+    feature = FEATURES["float16 + GradScaler (skipped steps)"]
+    setup = _setup(MLP, feature, seed=0)
+    step = memplan.compile(
+        feature.step(setup), model=setup.model, optimizer=setup.optimizer, scaler=setup.scaler, time_limit_seconds=0.5
+    )
+    scales = []
+    for k in range(4):
+        step(MLP.batch(k))
+        scales.append(setup.scaler.get_scale())
+    assert scales[0] < 2.0**20, "the first step overflows float16 and backs off"
+    steps_taken = {float(s["step"]) for s in setup.optimizer.state.values()}
+    assert steps_taken and max(steps_taken) < 4, "skipped steps do not update"
+
+
+def _mlp_setup() -> Setup:
+    return _setup(MLP, FEATURES["dict batch, loss from the output"], seed=0)
+
+
+def test_capture_gives_the_users_objects_back_untouched():
+    s = _setup(MLP, FEATURES["float16 + GradScaler (skipped steps)"], seed=0)
+    params = {n: p for n, p in s.model.named_parameters()}
+    buffers = {n: b for n, b in s.model.named_buffers()}
+    group_params = [list(g["params"]) for g in s.optimizer.param_groups]
+    values = {n: p.detach().clone() for n, p in params.items()}
+    capture, _ = memplan.plan_step(
+        FEATURES["float16 + GradScaler (skipped steps)"].step(s),
+        MLP.batch(0),
+        model=s.model,
+        optimizers=[s.optimizer],
+        scaler=s.scaler,
+        time_limit_seconds=0.5,
+    )
+    assert {n: p for n, p in s.model.named_parameters()} == params
+    assert all(a is b for a, b in zip(buffers.values(), dict(s.model.named_buffers()).values(), strict=True))
+    assert [list(g["params"]) for g in s.optimizer.param_groups] == group_params
+    assert all(torch.equal(values[n], p) for n, p in s.model.named_parameters())
+    assert all(p.grad is None for p in s.model.parameters())
+    assert not s.optimizer.state, "capture never creates the user's optimizer state"
+    assert s.scaler.get_scale() == 2.0**20
+    assert [r.kind for r in capture.regions] == [
+        "scaler.unscale_",
+        "scaler.step",
+        "scaler.update",
+        "optimizer.zero_grad",
+    ]
+
+
+def test_compile_is_a_decorator_and_plans_once_per_batch_shape():
+    s = _mlp_setup()
+
+    @memplan.compile(model=s.model, optimizer=s.optimizer, time_limit_seconds=0.5)
+    def train_step(batch):
+        loss = s.loss(batch)
+        loss.backward()
+        s.optimizer.step()
+        s.optimizer.zero_grad()
+        return loss
+
+    train_step(MLP.batch(0))
+    train_step(MLP.batch(1))
+    assert len(train_step.plans) == 1
+    smaller = {k: v[:4] for k, v in MLP.batch(2).items()}
+    train_step(smaller)
+    assert len(train_step.plans) == 2
+
+
+def test_a_step_that_keeps_its_gradients_is_refused():
+    s = _mlp_setup()
+
+    def accumulate_forever(batch):
+        s.loss(batch).backward()
+        s.optimizer.step()
+
+    step = memplan.compile(accumulate_forever, model=s.model, optimizer=s.optimizer)
+    with pytest.raises(CaptureError, match=re.escape("end the step with optimizer.zero_grad()")):
+        step(MLP.batch(0))
+    assert all(p.grad is None for p in s.model.parameters())
+
+
+def test_a_step_that_never_steps_is_refused():
+    s = _mlp_setup()
+
+    def no_update(batch):
+        s.loss(batch).backward()
+        s.model.zero_grad()
+
+    with pytest.raises(CaptureError, match=re.escape("never calls optimizer.step()")):
+        memplan.compile(no_update, model=s.model, optimizer=s.optimizer)(MLP.batch(0))
+
+
+def test_a_step_that_reads_a_value_is_refused_in_one_line():
+    s = _mlp_setup()
+
+    def logs_its_loss(batch):
+        loss = s.loss(batch)
+        if loss.item() > 100:
+            raise RuntimeError("diverged")
+        loss.backward()
+        s.optimizer.step()
+        s.optimizer.zero_grad()
+
+    with pytest.raises(DataDependentControlFlow) as info:
+        memplan.compile(logs_its_loss, model=s.model, optimizer=s.optimizer)(MLP.batch(0))
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("script", ["compile_step.py", "step_function.py"])
+def test_examples_run(script):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script)], capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "DIFFERS" not in done.stdout
