@@ -8,7 +8,18 @@ from __future__ import annotations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ORDER = ["core", "capture", "reorder", "placement", "run-b1", "run-b32", "remat", "remat_maxbatch", "remat_run"]
+ORDER = [
+    "core",
+    "capture",
+    "reorder",
+    "placement",
+    "placement_hard",
+    "run-b1",
+    "run-b32",
+    "remat",
+    "remat_maxbatch",
+    "remat_run",
+]
 
 
 def main() -> None:

@@ -132,3 +132,15 @@ def _gap(objective: float, bound: float) -> float:
     if objective == 0:
         return 0.0
     return max(0.0, (objective - bound) / abs(objective))
+
+
+def min_cut_value(num_nodes: int, tails: Any, heads: Any, capacities: Any, source: int = 0, sink: int = 1) -> int:
+    """The capacity of a minimum ``source``-``sink`` cut (= the maximum flow) of the network of
+    arcs ``tails[i] -> heads[i]`` with ``capacities[i]`` (integer arrays), by OR-Tools' max flow."""
+    from ortools.graph.python import max_flow
+
+    flow = max_flow.SimpleMaxFlow()
+    flow.add_arcs_with_capacity(tails, heads, capacities)
+    if num_nodes > 0 and flow.solve(source, sink) != flow.OPTIMAL:
+        raise RuntimeError("max flow did not solve (capacities overflow?)")
+    return int(flow.optimal_flow())

@@ -2,19 +2,13 @@
 
 The C file follows :class:`memplan.placement.search.ReferenceSearch` step for step, about a
 hundred times faster; tests run both on the same instances and compare answers and node
-counts. It is compiled with the system's C compiler (``$CC``, ``cc`` or ``gcc``) into
-``~/.cache/memplan`` (or ``$MEMPLAN_CACHE_DIR``), keyed by the source's hash. Without a
-compiler :func:`available` is False and the search runs in Python.
+counts. It is compiled on first use by :func:`memplan.compiled.build`; without a C compiler
+:func:`available` is False and the search runs in Python.
 """
 
 from __future__ import annotations
 
 import ctypes
-import fcntl
-import hashlib
-import os
-import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -23,28 +17,23 @@ from pathlib import Path
 
 import numpy as np
 
-from memplan.errors import MemplanError
+from memplan.compiled import CompilerUnavailable, build
 from memplan.placement.search import Cancel, Runner, SearchOptions, Sweep
 
 SOURCE = Path(__file__).parent / "csrc" / "canonical_search.c"
 _P64 = ctypes.POINTER(ctypes.c_int64)
 
 
-class NativeUnavailable(MemplanError):
-    """The compiled search could not be built or loaded here."""
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("MEMPLAN_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "memplan"
-    )
-    return Path(root)
+NativeUnavailable = CompilerUnavailable
 
 
 @cache
 def load() -> ctypes.CDLL:
     """Build (once, cached by the source's hash) and load the library; raises :class:`NativeUnavailable`."""
-    lib = ctypes.CDLL(str(_build()))
+    try:
+        lib = ctypes.CDLL(str(build(SOURCE)))
+    except OSError as err:
+        raise NativeUnavailable(f"loading the placement search failed: {err}") from None
     lib.mm_search.restype = ctypes.c_int
     lib.mm_search.argtypes = [ctypes.c_int64, *[_P64] * 4, ctypes.c_int64, *[_P64] * 6, ctypes.c_int64]
     lib.mm_search.argtypes += [*[_P64] * 4, ctypes.c_int64, ctypes.c_int64, ctypes.c_char_p, ctypes.c_int64]
@@ -60,32 +49,6 @@ def available() -> bool:
     except NativeUnavailable:
         return False
     return True
-
-
-def _build() -> Path:
-    source = SOURCE.read_bytes()
-    target = cache_dir() / f"canonical_search-{hashlib.sha256(source).hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if compiler is None:
-        raise NativeUnavailable("no C compiler found (set CC or install gcc) to build the placement search")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / ".build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if target.exists():
-            return target
-        partial = target.with_suffix(f".{os.getpid()}.tmp")
-        command = [compiler, "-O2", "-std=c99", "-shared", "-fPIC", str(SOURCE), "-o", str(partial)]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.TimeoutExpired) as err:
-            raise NativeUnavailable(f"building the placement search failed: {err}") from None
-        if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise NativeUnavailable(f"building the placement search failed: {last}")
-        partial.replace(target)
-    return target
 
 
 def flags(options: SearchOptions) -> int:
