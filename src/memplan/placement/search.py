@@ -12,7 +12,9 @@ complete (MiniMalloc section 4.1). On top of it the search prunes by:
 * sections (MiniMalloc 4.2): the time axis cut at every lifetime end into maximal sets of
   buffers live together; a section whose *floor* (the top of the last buffer placed in it, or
   the lowest offset any of its unplaced buffers can take) plus the bytes still unplaced in it
-  exceeds the capacity fails the branch (inference);
+  exceeds the capacity fails the branch (inference). MiniMalloc raises the second floor
+  incrementally, in the sections of the buffers just lifted; here it is evaluated at every
+  check, which is never weaker and, with a witness per section, cheaper;
 * dominance (4.3): placing a buffer at or above the top some unplaced buffer would reach at its
   lowest offset leaves a gap that buffer could fill; such placements are skipped;
 * decomposition (4.4): once placed buffers cut every lifetime crossing between two sections,
@@ -259,8 +261,8 @@ class ReferenceSearch:
             if self.fixed[b] >= 0 and offset > self.fixed[b]:
                 continue
             offsets[b] = offset
-            offset_changes, affected, hatless, broken = self._raise_neighbours(b, offset)
-            section_changes = self._update_sections(b, offset, affected)
+            offset_changes, hatless, broken = self._raise_neighbours(b, offset)
+            section_changes = self._update_sections(b, offset)
             found = False
             if not broken and self._check(lo, hi, offset):
                 if opts.dynamic_decomposition:
@@ -275,14 +277,13 @@ class ReferenceSearch:
         self.backtracks += 1
         return False
 
-    def _raise_neighbours(self, b: int, offset: int) -> tuple[list[tuple[int, int]], set[int], bool, bool]:
+    def _raise_neighbours(self, b: int, offset: int) -> tuple[list[tuple[int, int]], bool, bool]:
         """Lift every unplaced neighbour's lowest offset to the top of ``b``. Returns the undo
-        log, the sections whose floor may rise, whether ``b`` has no unplaced neighbour
-        ("hatless"), and whether a fixed neighbour was pushed past its offset."""
+        log, whether ``b`` has no unplaced neighbour ("hatless"), and whether a fixed neighbour
+        was pushed past its offset."""
         top = offset + self.sizes[b]
         offsets, min_offsets, fixed = self.offsets, self.min_offsets, self.fixed
         changes: list[tuple[int, int]] = []
-        affected: set[int] = set()
         hatless, broken = True, False
         for other in self.data.overlaps[b]:
             if offsets[other] != NO_OFFSET:
@@ -294,13 +295,11 @@ class ReferenceSearch:
             min_offsets[other] = top
             if fixed[other] >= 0 and top > fixed[other]:
                 broken = True
-            if self.options.unallocated_floor:
-                affected.update(range(self.data.first[other], self.data.last[other]))
-        return changes, affected, hatless, broken
+        return changes, hatless, broken
 
-    def _update_sections(self, b: int, offset: int, affected: set[int]) -> list[tuple[int, int]]:
-        """Sections of ``b``: floor to its top, its bytes no longer unplaced; sections of raised
-        neighbours: floor at least their unplaced members' lowest offsets."""
+    def _update_sections(self, b: int, offset: int) -> list[tuple[int, int]]:
+        """Sections of ``b``: floor to its top (every buffer placed later in them lies above
+        it), its bytes no longer unplaced."""
         floor, total = self.floor, self.total
         changes: list[tuple[int, int]] = []
         top, size = offset + self.sizes[b], self.sizes[b]
@@ -308,12 +307,6 @@ class ReferenceSearch:
             changes.append((s, floor[s]))
             floor[s] = top
             total[s] -= size
-        offsets, min_offsets = self.offsets, self.min_offsets
-        for s in sorted(affected):
-            lowest = min((min_offsets[o] for o in self.data.sections[s] if offsets[o] == NO_OFFSET), default=None)
-            if lowest is not None and floor[s] < lowest:
-                changes.append((s, floor[s]))
-                floor[s] = lowest
         return changes
 
     def _restore(self, b: int, offset_changes: list[tuple[int, int]], section_changes: list[tuple[int, int]]) -> None:
@@ -327,16 +320,23 @@ class ReferenceSearch:
         self.offsets[b] = NO_OFFSET
 
     def _check(self, lo: int, hi: int, offset: int) -> bool:
-        """No section of the partition overflows: floor (at least ``offset``) + unplaced bytes."""
+        """No section of the partition overflows: its floor (at least ``offset`` with the
+        monotonic floor; at least the lowest offset any of its unplaced buffers can take with
+        the unallocated floor) plus its unplaced bytes (with section inference) fit."""
         cap, floor, total, opts = self.capacity, self.floor, self.total, self.options
+        offsets, min_offsets, sections = self.offsets, self.min_offsets, self.data.sections
         for s in range(lo, hi):
             f = floor[s]
             if opts.monotonic_floor and f < offset:
                 f = offset
-            if opts.section_inference:
-                f += total[s]
-            if f > cap:
+            rest = total[s] if opts.section_inference else 0
+            if f + rest > cap:
                 return False
+            if opts.unallocated_floor:
+                # Overflow iff every unplaced buffer of the section lies above cap - rest.
+                live = [min_offsets[o] for o in sections[s] if offsets[o] == NO_OFFSET]
+                if live and min(live) + rest > cap:
+                    return False
         return True
 
     def _decompose(

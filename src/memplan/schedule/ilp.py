@@ -530,6 +530,11 @@ def optimize_ilp(problem: ScheduleProblem, report: Callable[[str], None] | None 
         best = candidates[0]
         seconds = time.perf_counter() - start
         return ScheduleResult(best.order, best.peak_bytes, "ilp", "optimal", seconds, 0.0, best.peak_bytes)
+    if start + problem.time_limit_seconds - time.perf_counter() < MIN_ILP_SECONDS:
+        best = candidates[0]  # too little time left to build the CP-SAT model of anything
+        gap = relative_gap(best.peak_bytes, lower_bytes)
+        seconds = time.perf_counter() - start
+        return ScheduleResult(best.order, best.peak_bytes, "ilp", "feasible", seconds, gap, lower_bytes)
     work, exact = graph, True
     if _use_early_updates(problem, graph, spans):
         work, edges = enforce_early_weight_updates(graph)
@@ -556,6 +561,8 @@ def optimize_ilp(problem: ScheduleProblem, report: Callable[[str], None] | None 
 # CP-SAT model; then, if a gap is left, up to this share of what is left to the cut bound.
 IDEAL_SHARE = 0.5
 CUT_SHARE = 0.2
+# The CP-SAT stage is not started with less time than this left.
+MIN_ILP_SECONDS = 1.0
 
 
 def _search_ideals(

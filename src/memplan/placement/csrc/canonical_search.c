@@ -159,14 +159,11 @@ static int sub_solve(Search *S, i64 members_at, i64 len, i64 lo, i64 hi) {
     return result;
 }
 
-/* Lift the unplaced neighbours' lowest offsets to the top of b; push the section ranges of the
- * raised ones (pairs first, last) whose floor may rise. Returns flags: 1 hatless (no unplaced
- * neighbour), 2 a fixed neighbour pushed past its offset. */
-static int raise_neighbours(Search *S, i64 b, i64 offset, i64 *ranges_at, i64 *num_ranges) {
+/* Lift the unplaced neighbours' lowest offsets to the top of b. Returns flags: 1 hatless (no
+ * unplaced neighbour), 2 a fixed neighbour pushed past its offset. */
+static int raise_neighbours(Search *S, i64 b, i64 offset) {
     i64 top = offset + S->size[b];
     int hatless = 1, broken = 0;
-    *ranges_at = S->lists.len;
-    *num_ranges = 0;
     for (i64 k = S->ov_ptr[b]; k < S->ov_ptr[b + 1]; ++k) {
         i64 o = S->ov_buf[k];
         if (S->offset[o] != NO_OFFSET) continue;
@@ -175,40 +172,8 @@ static int raise_neighbours(Search *S, i64 b, i64 offset, i64 *ranges_at, i64 *n
         push3(S, 0, o, S->min_off[o]);
         S->min_off[o] = top;
         if (S->fixed[o] >= 0 && top > S->fixed[o]) broken = 1;
-        if (S->flags & UNALLOCATED_FLOOR) {
-            if (!reserve(&S->lists, 2)) { S->oom = 1; break; }
-            S->lists.data[S->lists.len++] = S->first[o];
-            S->lists.data[S->lists.len++] = S->last[o];
-            *num_ranges += 1;
-        }
     }
     return hatless | (broken << 1);
-}
-
-static int by_first(const void *a, const void *b) {
-    const i64 *x = a, *y = b;
-    return x[0] < y[0] ? -1 : (x[0] > y[0]);
-}
-
-/* Raise section s's floor to the lowest offset of its unplaced members, if that is higher.
- * Each section keeps its unplaced members first (live[s] of them, see take/give_back), and
- * witness[s] remembers one found at or below the floor last time: a cache, checked before use,
- * that spares most scans. */
-static void lift_floor(Search *S, i64 s) {
-    i64 floor = S->floor[s], lowest = -1, lowest_at = -1;
-    i64 begin = S->sec_ptr[s], end = begin + S->live[s];
-    i64 w = S->witness[s];
-    if (w < end && S->min_off[S->members[w]] <= floor) return;
-    for (i64 k = begin; k < end; ++k) {
-        i64 o = S->members[k];
-        if (S->min_off[o] <= floor) { S->witness[s] = k; return; }  /* the floor stays */
-        if (lowest < 0 || S->min_off[o] < lowest) { lowest = S->min_off[o]; lowest_at = k; }
-    }
-    if (lowest > floor) {
-        push3(S, 1, s, floor);
-        S->floor[s] = lowest;
-        S->witness[s] = lowest_at;
-    }
 }
 
 /* Move b behind the unplaced members of each of its sections. */
@@ -232,37 +197,31 @@ static void give_back(Search *S, i64 b) {
     for (i64 s = S->first[b]; s < S->last[b]; ++s) S->live[s] += 1;
 }
 
-/* Sections of b: floor to its top, its bytes no longer unplaced; then every section in the
- * union of the raised neighbours' ranges: floor at least its unplaced members' lowest offset. */
-static void update_sections(Search *S, i64 b, i64 offset, i64 ranges_at, i64 num_ranges) {
+/* Sections of b: floor to its top, its bytes no longer unplaced. */
+static void update_sections(Search *S, i64 b, i64 offset) {
     i64 top = offset + S->size[b];
     for (i64 s = S->first[b]; s < S->last[b]; ++s) {
         push3(S, 1, s, S->floor[s]);
         S->floor[s] = top;
         S->total[s] -= S->size[b];
     }
-    if (num_ranges == 0) return;
-    i64 *ranges = S->lists.data + ranges_at;
-    if (num_ranges > 64) {
-        qsort(ranges, (size_t)num_ranges, 2 * sizeof(i64), by_first);
-    } else {
-        for (i64 i = 1; i < num_ranges; ++i) {
-            i64 a = ranges[2 * i], z = ranges[2 * i + 1], j = i - 1;
-            while (j >= 0 && ranges[2 * j] > a) {
-                ranges[2 * j + 2] = ranges[2 * j];
-                ranges[2 * j + 3] = ranges[2 * j + 1];
-                --j;
-            }
-            ranges[2 * j + 2] = a;
-            ranges[2 * j + 3] = z;
+}
+
+/* True if some unplaced member of section s can start at or below limit. Each section keeps its
+ * unplaced members first (live[s] of them, see take/give_back); witness[s] remembers the last
+ * one found: a cache, checked before use, that spares most scans. */
+static int some_member_at_most(Search *S, i64 s, i64 limit) {
+    i64 begin = S->sec_ptr[s], end = begin + S->live[s];
+    if (begin == end) return 1;  /* nothing unplaced: no floor from it */
+    i64 w = S->witness[s];
+    if (w >= begin && w < end && S->min_off[S->members[w]] <= limit) return 1;
+    for (i64 k = begin; k < end; ++k) {
+        if (S->min_off[S->members[k]] <= limit) {
+            S->witness[s] = k;
+            return 1;
         }
     }
-    i64 next = ranges[0];
-    for (i64 r = 0; r < num_ranges; ++r) {
-        i64 s = ranges[2 * r] > next ? ranges[2 * r] : next;
-        for (; s < ranges[2 * r + 1]; ++s) lift_floor(S, s);
-        if (s > next) next = s;
-    }
+    return 0;
 }
 
 static void restore(Search *S, i64 b, i64 trail_mark) {
@@ -278,12 +237,14 @@ static void restore(Search *S, i64 b, i64 trail_mark) {
     S->offset[b] = NO_OFFSET;
 }
 
+/* No section of the partition overflows (see ReferenceSearch._check). */
 static int check(Search *S, i64 lo, i64 hi, i64 offset) {
     for (i64 s = lo; s < hi; ++s) {
         i64 f = S->floor[s];
         if ((S->flags & MONOTONIC_FLOOR) && f < offset) f = offset;
-        if (S->flags & SECTION_INFERENCE) f += S->total[s];
-        if (f > S->capacity) return 0;
+        i64 rest = (S->flags & SECTION_INFERENCE) ? S->total[s] : 0;
+        if (f + rest > S->capacity) return 0;
+        if ((S->flags & UNALLOCATED_FLOOR) && !some_member_at_most(S, s, S->capacity - rest)) return 0;
     }
     return 1;
 }
@@ -373,9 +334,8 @@ static int search(Search *S, i64 members_at, i64 members_len, i64 order_at, i64 
         i64 trail_mark = S->trail.len, lists_mark = S->lists.len;
         S->offset[b] = c.offset;
         take(S, b);
-        i64 ranges_at, num_ranges;
-        int raised = raise_neighbours(S, b, c.offset, &ranges_at, &num_ranges);
-        update_sections(S, b, c.offset, ranges_at, num_ranges);
+        int raised = raise_neighbours(S, b, c.offset);
+        update_sections(S, b, c.offset);
         S->lists.len = lists_mark;
         int found = NOT_FOUND;
         if (S->oom) found = ABORTED;
