@@ -237,6 +237,16 @@ def test_cancel_stops_a_search_unproven() -> None:
     assert time.perf_counter() - t0 < 5.0
 
 
+def test_a_cancelled_search_placement_returns_at_once() -> None:
+    inst = tight_instance(1, 300, hole_share=0.5, size_spread=4.0, mean_size_units=32, height_units=256)
+    capped = replace(inst.problem, capacity_bytes=inst.optimal_arena_bytes)
+    cancel = Cancel()
+    cancel.set()
+    t0 = time.perf_counter()
+    outcome = search_placement(capped, portfolio(capped), far(), cancel=cancel)
+    assert outcome.placement is None and time.perf_counter() - t0 < 5.0
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_search_reaches_the_bound_where_the_heuristics_miss(workers: int) -> None:
     inst = tight_instance(2, 60, height_units=32, mean_size_units=6, size_spread=2.0)

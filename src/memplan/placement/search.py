@@ -523,7 +523,7 @@ class Minimised:
 
 
 # Share of the search budget given to the first probe (at the lower bound, or at the capacity).
-FIRST_PROBE_SHARE = 0.5
+FIRST_PROBE_SHARE = 0.6
 # Each later probe may use up to this share of what is left, and at first this many nodes per
 # buffer: far above the optimum a probe that does not succeed quickly is lost in a bad subtree.
 # When the bisection has run out of capacities to try, it starts over with four times the nodes.
@@ -659,8 +659,9 @@ def search_placement(
     else:
         upper = first = cap // unit
     found = minimise(
-        sizes, lives, lower, upper, deadline, fixed_units=fixed, first=first, options=options, engine=engine
-    )
+        sizes, lives, lower, upper, deadline, fixed_units=fixed, first=first, options=options, engine=engine,
+        cancel=cancel,
+    )  # fmt: skip
     placement = None
     if found.offsets_units is not None:
         offsets = tuple(o * unit for o in found.offsets_units)
