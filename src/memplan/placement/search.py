@@ -523,7 +523,7 @@ class Minimised:
 
 
 # Share of the search budget given to the first probe (at the lower bound, or at the capacity).
-FIRST_PROBE_SHARE = 0.6
+FIRST_PROBE_SHARE = 0.7
 # Each later probe may use up to this share of what is left, and at first this many nodes per
 # buffer: far above the optimum a probe that does not succeed quickly is lost in a bad subtree.
 # When the bisection has run out of capacities to try, it starts over with four times the nodes.

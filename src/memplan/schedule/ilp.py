@@ -28,7 +28,13 @@ timesteps). Consequences, and how each OLLA technique is used:
 * Warm start: the best heuristic per segment is the hint (``AddHint``) and an upper bound;
   decoding (Function 1) sorts the ops by the timestep at which ``R`` turns 1.
 
-A result is "optimal" only when every segment that can reach the peak was solved exactly on
+Before the model, :func:`optimize_ilp` runs the exact search over ideals
+(:mod:`memplan.schedule.ideals`) with :data:`IDEAL_SHARE` of the time, then the cut bound
+(:mod:`memplan.schedule.bounds`) if a gap is left; the model only runs if the best order is
+still above the best proven bound.
+
+A result is "optimal" only when its peak meets a proven lower bound: the search over ideals
+exhausted the cap below it, or every segment that can reach the peak was solved exactly on
 the original graph (no control edges, no windows); otherwise it is "feasible" with the gap
 to the best valid lower bound. It is never worse than the best heuristic.
 """
