@@ -13,6 +13,7 @@ ORDER = [
     "capture",
     "reorder",
     "placement",
+    "placement_hard",
     "run-b1",
     "run-b32",
     "optimizers",

@@ -6,9 +6,11 @@ so status and gap are reported the same way everywhere.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,15 +51,34 @@ class _Progress(cp_model.CpSolverSolutionCallback):
             self._report(self.ObjectiveValue(), self.BestObjectiveBound())
 
 
-def _stall_watchdog(solver: cp_model.CpSolver, progress: _Progress, stall_seconds: float) -> threading.Event:
-    """Stops the search once no better solution has come for ``stall_seconds``: a stalled
-    search returns its best solution (status feasible, with its gap) instead of burning the
-    whole time limit."""
+_STOP: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar("memplan_solver_stop", default=None)
+
+
+@contextlib.contextmanager
+def stopping(event: threading.Event) -> Iterator[None]:
+    """Within this block (in this thread), every solve stops as soon as ``event`` is set, and
+    one started after it is set returns "unknown" at once: how a portfolio running another
+    solver alongside calls off the CP-SAT stages once that solver has the answer."""
+    token = _STOP.set(event)
+    try:
+        yield
+    finally:
+        _STOP.reset(token)
+
+
+def _watchdog(
+    solver: cp_model.CpSolver, progress: _Progress, stall_seconds: float | None, stop: threading.Event | None
+) -> threading.Event:
+    """Stops the search once no better solution has come for ``stall_seconds`` (a stalled
+    search returns its best solution, status feasible with its gap, instead of burning the
+    whole time limit) or once ``stop`` is set."""
     done = threading.Event()
+    poll = 0.05 if stall_seconds is None else min(0.05, stall_seconds / 4)
 
     def watch() -> None:
-        while not done.wait(min(0.1, stall_seconds / 4)):
-            if time.perf_counter() - progress.last_improvement > stall_seconds:
+        while not done.wait(poll):
+            stalled = stall_seconds is not None and time.perf_counter() - progress.last_improvement > stall_seconds
+            if stalled or (stop is not None and stop.is_set()):
                 solver.StopSearch()
                 return
 
@@ -77,7 +98,8 @@ def solve_cp_sat(
 ) -> tuple[cp_model.CpSolver, SolveStatus]:
     """Solve ``model`` within ``time_limit_seconds``; return the solver (to read values) and
     the status. ``progress(objective, bound)`` is called on each improving solution; with
-    ``stall_seconds`` the search stops once no better solution came for that long;
+    ``stall_seconds`` the search stops once no better solution came for that long (and at
+    once when the :func:`stopping` event of the calling context is set);
     ``parameters`` sets further CP-SAT parameters by name (e.g. ``hint_conflict_limit``)."""
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.01, float(time_limit_seconds))
@@ -85,8 +107,11 @@ def solve_cp_sat(
     solver.parameters.random_seed = seed
     for name, value in (parameters or {}).items():
         setattr(solver.parameters, name, value)
+    stop = _STOP.get()
+    if stop is not None and stop.is_set():
+        return solver, SolveStatus("unknown", None, None, None, 0.0)
     callback = _Progress(progress)
-    watchdog = _stall_watchdog(solver, callback, stall_seconds) if stall_seconds else None
+    watchdog = _watchdog(solver, callback, stall_seconds or None, stop) if stall_seconds or stop is not None else None
     start = time.perf_counter()
     try:
         code = solver.Solve(model, callback)
@@ -107,3 +132,15 @@ def _gap(objective: float, bound: float) -> float:
     if objective == 0:
         return 0.0
     return max(0.0, (objective - bound) / abs(objective))
+
+
+def min_cut_value(num_nodes: int, tails: Any, heads: Any, capacities: Any, source: int = 0, sink: int = 1) -> int:
+    """The capacity of a minimum ``source``-``sink`` cut (= the maximum flow) of the network of
+    arcs ``tails[i] -> heads[i]`` with ``capacities[i]`` (integer arrays), by OR-Tools' max flow."""
+    from ortools.graph.python import max_flow
+
+    flow = max_flow.SimpleMaxFlow()
+    flow.add_arcs_with_capacity(tails, heads, capacities)
+    if num_nodes > 0 and flow.solve(source, sink) != flow.OPTIMAL:
+        raise RuntimeError("max flow did not solve (capacities overflow?)")
+    return int(flow.optimal_flow())

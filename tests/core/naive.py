@@ -40,3 +40,45 @@ def all_topological_orders(graph: Graph) -> Iterator[list[int]]:
         pos = {v: i for i, v in enumerate(perm)}
         if all(pos[p] < pos[v] for v in range(n) for p in graph.predecessors[v]):
             yield list(perm)
+
+
+def naive_fits(
+    sizes: Sequence[int], lives: Sequence[tuple[int, int]], capacity: int, fixed: dict[int, int] | None = None
+) -> bool:
+    """Can every buffer get an integer offset in ``[0, capacity - size]`` (its fixed one, if
+    any) with no two live-together buffers overlapping? Plain backtracking in index order over
+    every offset: slow, obviously right."""
+    fixed = fixed or {}
+    n = len(sizes)
+    offsets: list[int] = []
+
+    def clash(b: int, o: int) -> bool:
+        for a in range(b):
+            live_together = lives[a][0] < lives[b][1] and lives[b][0] < lives[a][1]
+            if live_together and sizes[a] and sizes[b] and offsets[a] < o + sizes[b] and o < offsets[a] + sizes[a]:
+                return True
+        return False
+
+    def place(b: int) -> bool:
+        if b == n:
+            return True
+        choices = [fixed[b]] if b in fixed else range(capacity - sizes[b] + 1)
+        for o in choices:
+            if o + sizes[b] <= capacity and not clash(b, o):
+                offsets.append(o)
+                if place(b + 1):
+                    return True
+                offsets.pop()
+        return False
+
+    return place(0)
+
+
+def naive_min_arena(sizes: Sequence[int], lives: Sequence[tuple[int, int]], fixed: dict[int, int] | None = None) -> int:
+    """The smallest capacity :func:`naive_fits` accepts, counting up from the most bytes live at
+    one time (no capacity below it can fit)."""
+    load = max((sum(s for s, (a, z) in zip(sizes, lives, strict=True) if a <= t < z) for t, _ in lives), default=0)
+    capacity = max([load, *((o + sizes[b]) for b, o in (fixed or {}).items())])
+    while not naive_fits(sizes, lives, capacity, fixed):
+        capacity += 1
+    return capacity

@@ -223,7 +223,7 @@ def test_exact_equals_brute_force_on_tiny_instances(kind: str) -> None:
     rng = random.Random(2)
     for _ in range(6):
         p = random_intervals(rng, 4, max_size=3, horizon=4) if kind == "intervals" else random_pairs(rng, 4, 0.6)
-        exact = solve_exact(p, 5.0, workers=1, repair=False, start=stacked(p))
+        exact = solve_exact(p, 5.0, workers=1, repair=False, search=False, start=stacked(p))
         assert exact.method.startswith("cp-sat") or exact.arena_bytes == sum(p.padded_sizes_bytes)
         validate_placement(p, exact)
         assert exact.status == "optimal"

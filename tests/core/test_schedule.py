@@ -175,7 +175,9 @@ def test_windowed_and_early_update_paths_stay_valid(seed):
     """Force the large-graph machinery on small graphs: windows (tiny literal budget) and
     OLLA 4.3 control edges; the answer must stay valid and no worse than the heuristics."""
     for graph in (random_dag(seed, 40), toy_training_graph(6, seed)):
-        problem = ScheduleProblem(graph, time_limit_seconds=2, workers=1, max_model_literals=30, early_updates="always")
+        problem = ScheduleProblem(
+            graph, time_limit_seconds=2, workers=1, max_model_literals=30, early_updates="always", ideal_search=False
+        )
         messages: list[str] = []
         result = optimize_ilp(problem, messages.append)
         validate_schedule(graph, result)

@@ -61,9 +61,13 @@ def place(
     """Place ``problem``'s buffers in one arena.
 
     "heuristic": the best of the heuristic portfolio. "exact" and "auto": the portfolio, then,
-    unless it already meets the lower bound, CP-SAT (OLLA eq. 15) warm-started from it within
-    ``time_limit_seconds``. With ``problem.capacity_bytes`` the status says whether the arena
-    fits: "infeasible" (proven that nothing fits) or "unknown" (nothing found that fits).
+    unless it already meets the lower bound, :func:`solve_exact` within ``time_limit_seconds``:
+    on lifetime conflicts MiniMalloc's canonical search (:mod:`memplan.placement.search`)
+    alongside exact windows and CP-SAT (OLLA eq. 15); on general conflicts or contiguous groups
+    (SOMAS) CP-SAT. Without a capacity it looks for the smallest arena it can reach, proving
+    smaller ones impossible where it can; with ``problem.capacity_bytes`` the status says
+    whether the arena fits: "infeasible" (proven that nothing fits) or "unknown" (nothing found
+    that fits).
     """
     if method not in METHODS:
         raise UnknownMethod(f"unknown placement method {method!r}; choose one of {', '.join(METHODS)}")

@@ -11,11 +11,17 @@ capacity) and below by :func:`lower_bound_bytes`.
 As in OLLA 4.5 (Function 5) a first solve fixes a pyramid of nested long-lived buffers,
 which shrinks the model; a second solve without it can prove optimality or infeasibility.
 Both are hinted with the best placement so far, and the result is never worse than it.
-Before them, on interval problems, :func:`memplan.placement.rolling.roll_from_peak` spends up
-to :data:`ROLL_SHARE` of the time rolling exact windows outward from the peak at capacity =
-lower bound, then :func:`memplan.placement.repair.reach_bound` the rest of
-:data:`REPAIR_SHARE` on peak-anchored packing and top-band repair; together they close most
-near-misses in a second or two. Every stage is budgeted by
+
+The portfolio, in order, stopping as soon as the arena meets a proven bound: the heuristics
+(:func:`memplan.placement.heuristics.portfolio`); on interval problems the canonical search
+(:func:`memplan.placement.search.search_placement`, MiniMalloc's exact search), which bisects
+capacities from the lower bound with :data:`SEARCH_SHARE` of the time and can prove that a
+capacity is infeasible; then, still on interval problems and while the lower bound is not
+refuted, :func:`memplan.placement.rolling.roll_from_peak` with :data:`ROLL_SHARE` of the time
+left (exact windows rolled outward from the peak at capacity = lower bound) and
+:func:`memplan.placement.repair.reach_bound` up to :data:`REPAIR_SHARE` of it (peak-anchored
+packing and top-band repair); last, CP-SAT. Contiguous groups and general conflict relations
+(SOMAS) skip the search and the windows. Every stage is budgeted by
 the wall clock from the call's start (portfolio and model building included): a stage gets
 the time really left, and one with too little left is skipped, so ``time_limit_seconds`` is
 honoured to within a CP-SAT model load.
@@ -24,21 +30,27 @@ honoured to within a CP-SAT model load.
 from __future__ import annotations
 
 import inspect
+import threading
 import time
 from dataclasses import dataclass
 
 import numpy as np
 from ortools.sat.python import cp_model
 
+from memplan.placement import native
 from memplan.placement.heuristics import Blocks, make_blocks, portfolio, pyramid_offsets
 from memplan.placement.problem import Placement, PlacementProblem, arena_bytes
 from memplan.placement.repair import applies as repair_applies
 from memplan.placement.repair import reach_bound
 from memplan.placement.rolling import roll_from_peak
-from memplan.solvers import SolveStatus, solve_cp_sat
+from memplan.placement.search import Cancel, SearchOutcome, search_placement
+from memplan.placement.search import applies as search_applies
+from memplan.solvers import SolveStatus, solve_cp_sat, stopping
 
-# Share of the time limit given to memplan.placement.rolling, then (with what it left) to
+# Share of the time limit given first to the canonical search (memplan.placement.search); then
+# of the time it left, to memplan.placement.rolling and (counted from the same point) to
 # memplan.placement.repair, before the CP-SAT solves.
+SEARCH_SHARE = 0.7
 ROLL_SHARE = 0.4
 REPAIR_SHARE = 0.7
 # A CP-SAT stage is skipped when fewer seconds than this are left: loading a model of
@@ -181,58 +193,153 @@ def solve_exact(
     pyramid: bool = True,
     repair: bool = True,
     start: Placement | None = None,
+    search: bool = True,
 ) -> Placement:
     """Minimise the arena (within ``problem.capacity_bytes`` if set) in ``time_limit_seconds``.
 
-    Starts from ``start`` or the heuristic portfolio and never returns a larger arena. The
-    status is "optimal" when the arena meets the lower bound or CP-SAT proves it minimal;
-    with a capacity the heuristic misses, "infeasible" when CP-SAT proves nothing fits and
-    "unknown" when it finds nothing in time (the best placement found is still returned).
-    ``repair=False`` skips :func:`memplan.placement.repair.reach_bound` (CP-SAT alone).
+    Starts from ``start`` or the heuristic portfolio and never returns a larger arena. On
+    interval problems the canonical search (:mod:`memplan.placement.search`) runs alongside
+    the other stages when there are two workers and the compiled search builds (one core
+    each; whichever settles the answer first calls off the other), else first, with
+    :data:`SEARCH_SHARE` of the time. The status is "optimal" when the arena meets the lower
+    bound or a proven one; with a capacity the placement misses, "infeasible" when the search
+    or CP-SAT proves nothing fits and "unknown" when nothing was found in time (the best
+    placement found is still returned). ``repair=False`` skips the exact windows
+    (:func:`memplan.placement.rolling.roll_from_peak`, :func:`memplan.placement.repair.reach_bound`),
+    ``search=False`` the canonical search (CP-SAT alone).
     """
     t0 = time.perf_counter()
     deadline = t0 + time_limit_seconds
     best = start or portfolio(problem)
     bound = problem.lower_bound_bytes
-    if problem.capacity_bytes is not None and bound > problem.capacity_bytes:
+    cap = problem.capacity_bytes
+    if cap is not None and bound > cap:
         return _restamp(best, best.method, "infeasible", t0, bound)  # more is live at once than fits
     if best.arena_bytes <= bound:
         return _restamp(best, best.method, "optimal", t0, bound)
-    blocks = make_blocks(problem)
-    unit = blocks.unit_bytes
-    repaired = repair and repair_applies(problem)
-    if repaired:
-        rolled, unreachable = roll_from_peak(problem, min(ROLL_SHARE * time_limit_seconds, _left(deadline)), workers)
-        if rolled is not None:
-            return _restamp(rolled, rolled.method, "optimal", t0, bound)
-        budget = min(REPAIR_SHARE * time_limit_seconds - (time.perf_counter() - t0), _left(deadline))
-        if not unreachable:
-            best, unreachable = reach_bound(problem, best, max(0.0, budget), workers)
-        if best.arena_bytes <= bound:
-            return _restamp(best, best.method, "optimal", t0, bound)
-        bound += unit if unreachable else 0  # a peak window proved that the bound cannot be met
-    cap_units = None if problem.capacity_bytes is None else problem.capacity_bytes // unit
-    upper_units = -(-best.arena_bytes // unit) if cap_units is None else min(-(-best.arena_bytes // unit), cap_units)
-    method = best.method
-    # The pyramid helps minimise (OLLA 4.5) but can exclude every placement within a tight
-    # capacity, so it is only tried when the heuristic already fits. After the repair, whose
-    # peak windows fix a part first more tightly, it is skipped: on thousands of buffers its
-    # constant rectangles make CP-SAT load the model for seconds past the time limit.
-    over_capacity = cap_units is not None and best.arena_bytes > cap_units * unit
-    preset = pyramid_offsets(problem, blocks) if pyramid and not over_capacity and not repaired else {}
-    if preset and _left(deadline) >= PYRAMID_MIN_SECONDS:
-        offsets, _ = _solve(problem, blocks, best, upper_units, preset, 0.3 * _left(deadline), workers)
-        best, method = _better(problem, best, offsets, method, "cp-sat+pyramid")
-        if best.arena_bytes <= bound:
-            return _restamp(best, method, "optimal", t0, bound)
-    if _left(deadline) < MIN_STAGE_SECONDS:
-        return _restamp(best, method, _status(problem, best, _NOT_RUN, bound), t0, bound)
-    upper_units = min(upper_units, -(-best.arena_bytes // unit))
-    offsets, status = _solve(problem, blocks, best, upper_units, {}, _left(deadline), workers)
-    best, method = _better(problem, best, offsets, method, "cp-sat")
-    if status.bound is not None:
-        bound = max(bound, round(status.bound) * unit)
-    return _restamp(best, method, _status(problem, best, status, bound), t0, bound)
+    stages = _Stages(problem, t0, deadline, workers, pyramid, repair)
+    if not (search and search_applies(problem)):
+        return stages.run(best, bound)
+    if workers >= 2 and native.available():
+        return _search_alongside(problem, best, bound, stages)
+    outcome = search_placement(problem, best, t0 + SEARCH_SHARE * time_limit_seconds)
+    if outcome.placement is not None and outcome.placement.arena_bytes < best.arena_bytes:
+        best = outcome.placement
+    bound = max(bound, outcome.proven_lower_bytes)
+    if (cap is not None and bound > cap) or best.arena_bytes <= bound:
+        return _combine(problem, [best], bound, False, t0)  # settled: optimal, or proven not to fit
+    return stages.run(best, bound)
+
+
+def _search_alongside(problem: PlacementProblem, best: Placement, bound: int, stages: _Stages) -> Placement:
+    """The canonical search in a second thread (the compiled kernel releases the GIL) while
+    this one runs the other stages with one CP-SAT worker fewer; the first to settle the
+    answer (an arena at a proven bound, or a proof that nothing fits) stops the other."""
+    cancel, settled = Cancel(), threading.Event()
+    box: dict[str, object] = {}
+    cap = problem.capacity_bytes
+
+    def run_search() -> None:
+        try:
+            outcome = search_placement(problem, best, stages.deadline, cancel=cancel)
+            box["outcome"] = outcome
+            found = outcome.placement
+            proven = max(bound, outcome.proven_lower_bytes)
+            if (found is not None and found.arena_bytes <= proven) or (cap is not None and proven > cap):
+                settled.set()
+        except BaseException as err:  # handed to the caller's thread below
+            box["error"] = err
+
+    worker = threading.Thread(target=run_search, name="memplan-canonical-search", daemon=True)
+    worker.start()
+    try:
+        with stopping(settled):
+            staged = stages.run(best, bound, workers=max(1, stages.workers - 1), stop=settled)
+    finally:
+        cancel.set()
+        worker.join()
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    outcome = box["outcome"]
+    assert isinstance(outcome, SearchOutcome)
+    candidates = [staged] + ([outcome.placement] if outcome.placement is not None else [])
+    proven = max(staged.bound_bytes, outcome.proven_lower_bytes)
+    return _combine(problem, candidates, proven, staged.status == "infeasible", stages.t0)
+
+
+def _combine(
+    problem: PlacementProblem, candidates: list[Placement], bound: int, proven_infeasible: bool, t0: float
+) -> Placement:
+    """The smallest arena among ``candidates``, with the status the proven ``bound`` gives it."""
+    best = min(candidates, key=lambda p: p.arena_bytes)
+    cap = problem.capacity_bytes
+    if cap is None or best.arena_bytes <= cap:
+        status = "optimal" if best.arena_bytes <= bound else "feasible"
+    else:
+        status = "infeasible" if proven_infeasible or bound > cap else "unknown"
+    return _restamp(best, best.method, status, t0, bound)
+
+
+@dataclass
+class _Stages:
+    """The exact windows and the CP-SAT solves, within the call's deadline."""
+
+    problem: PlacementProblem
+    t0: float
+    deadline: float
+    workers: int
+    pyramid: bool
+    repair: bool
+
+    def run(
+        self, best: Placement, bound: int, *, workers: int | None = None, stop: threading.Event | None = None
+    ) -> Placement:
+        """From ``best`` and a proven ``bound``: rolled windows and repair (while the lower bound
+        is not refuted), then CP-SAT (pyramid first). ``stop``, once set, skips what is left."""
+        problem, t0, deadline = self.problem, self.t0, self.deadline
+        workers = workers or self.workers
+        blocks = make_blocks(problem)
+        unit = blocks.unit_bytes
+        # The windows aim at the lower bound only: pointless once it is refuted.
+        repaired = self.repair and repair_applies(problem) and bound <= problem.lower_bound_bytes
+        if repaired:
+            stage_start, rest = time.perf_counter(), _left(deadline)
+            rolled, unreachable = roll_from_peak(problem, ROLL_SHARE * rest, workers)
+            if rolled is not None:
+                return _restamp(rolled, rolled.method, "optimal", t0, bound)
+            budget = min(REPAIR_SHARE * rest - (time.perf_counter() - stage_start), _left(deadline))
+            if not unreachable and not _is_set(stop):
+                best, unreachable = reach_bound(problem, best, max(0.0, budget), workers)
+            if best.arena_bytes <= bound:
+                return _restamp(best, best.method, "optimal", t0, bound)
+            bound += unit if unreachable else 0  # a peak window proved that the bound cannot be met
+        cap_units = None if problem.capacity_bytes is None else problem.capacity_bytes // unit
+        upper_units = -(-best.arena_bytes // unit)
+        upper_units = upper_units if cap_units is None else min(upper_units, cap_units)
+        method = best.method
+        # The pyramid helps minimise (OLLA 4.5) but can exclude every placement within a tight
+        # capacity, so it is only tried when the heuristic already fits. After the repair, whose
+        # peak windows fix a part first more tightly, it is skipped: on thousands of buffers its
+        # constant rectangles make CP-SAT load the model for seconds past the time limit.
+        over_capacity = cap_units is not None and best.arena_bytes > cap_units * unit
+        preset = pyramid_offsets(problem, blocks) if self.pyramid and not over_capacity and not repaired else {}
+        if preset and _left(deadline) >= PYRAMID_MIN_SECONDS and not _is_set(stop):
+            offsets, _ = _solve(problem, blocks, best, upper_units, preset, 0.3 * _left(deadline), workers)
+            best, method = _better(problem, best, offsets, method, "cp-sat+pyramid")
+            if best.arena_bytes <= bound:
+                return _restamp(best, method, "optimal", t0, bound)
+        if _left(deadline) < MIN_STAGE_SECONDS or _is_set(stop):
+            return _restamp(best, method, _status(problem, best, _NOT_RUN, bound), t0, bound)
+        upper_units = min(upper_units, -(-best.arena_bytes // unit))
+        offsets, status = _solve(problem, blocks, best, upper_units, {}, _left(deadline), workers)
+        best, method = _better(problem, best, offsets, method, "cp-sat")
+        if status.bound is not None:
+            bound = max(bound, round(status.bound) * unit)
+        return _restamp(best, method, _status(problem, best, status, bound), t0, bound)
+
+
+def _is_set(stop: threading.Event | None) -> bool:
+    return stop is not None and stop.is_set()
 
 
 _NOT_RUN = SolveStatus("unknown", None, None, None, 0.0)

@@ -78,3 +78,103 @@ def adversarial_instance(
         if greedy_by_size(problem).arena_bytes >= (1 + min_excess) * arena:
             return Instance(problem, tuple(y0 * unit_bytes for _, _, y0, _ in rects), arena)
     raise GenerationError(f"no instance with greedy by size {min_excess:.0%} above the bound in {max_tries} tries")
+
+
+def tight_rectangles(
+    rng: random.Random,
+    num_rects: int,
+    height_units: int,
+    *,
+    mean_size_units: int = 8,
+    short_steps: tuple[int, int] = (1, 6),
+    long_steps: tuple[int, int] = (10, 60),
+    long_share: float = 0.3,
+    hole_share: float = 0.0,
+    size_spread: float = 1.25,
+) -> list[tuple[int, int, int, int]]:
+    """A packing of ``num_rects`` rectangles (t0, t1, y0, y1) under ``height_units`` that fills
+    it completely at time 0 (and at every time when ``hole_share`` is 0).
+
+    A sweep over time: whenever rectangles end, the address ranges they free are merged with the
+    free ranges they touch (so new buffers straddle old boundaries: the cut is not a guillotine
+    one) and refilled at once by new rectangles of similar sizes (``mean_size_units`` +- 25%), the
+    lower ones short lived and the upper ones long lived (``long_share`` of them drawn from
+    ``long_steps``, the rest from ``short_steps``). With probability ``hole_share`` the top piece
+    of a refill is left empty, so the load dips below the height there.
+    """
+    rects: list[tuple[int, int, int, int]] = []
+    live: list[int] = []  # indices into rects
+    free: list[tuple[int, int]] = []  # empty address ranges, sorted
+
+    def fill(t: int, y0: int, y1: int) -> None:
+        y = y0
+        pieces = []
+        while y < y1:
+            size = max(1, round(mean_size_units * size_spread ** rng.uniform(-1.0, 1.0)))
+            if y1 - (y + size) < max(1, mean_size_units // 2):
+                size = y1 - y  # the last piece takes the rest
+            pieces.append((y, y + size))
+            y += size
+        if len(pieces) > 1 and rng.random() < hole_share:
+            free.append(pieces.pop())
+        lengths = sorted(
+            rng.randint(*long_steps) if rng.random() < long_share else rng.randint(*short_steps) for _ in pieces
+        )
+        for (a, b), length in zip(pieces, lengths, strict=True):
+            live.append(len(rects))
+            rects.append((t, t + length, a, b))
+
+    fill(0, 0, height_units)
+    while len(rects) < num_rects and live:
+        t = min(rects[i][1] for i in live)
+        ending = [(rects[i][2], rects[i][3]) for i in live if rects[i][1] == t]
+        live[:] = [i for i in live if rects[i][1] != t]
+        merged: list[list[int]] = []
+        for a, b in sorted(free + ending):
+            if merged and merged[-1][1] == a:
+                merged[-1][1] = b
+            else:
+                merged.append([a, b])
+        free.clear()
+        for a, b in merged:
+            if len(rects) >= num_rects:
+                break
+            fill(t, a, b)
+    return rects[:num_rects]
+
+
+def tight_instance(
+    seed: int,
+    num_buffers: int,
+    *,
+    height_units: int = 128,
+    unit_bytes: int = 512,
+    mean_size_units: int = 8,
+    hole_share: float = 0.0,
+    size_spread: float = 1.25,
+    long_steps: tuple[int, int] = (10, 60),
+) -> Instance:
+    """A hard instance: a tight packing from :func:`tight_rectangles` (optimum = lower bound =
+    ``height_units * unit_bytes``, full at every time step until the load first drops), sizes
+    in multiples of ``unit_bytes`` (512 B, as CUDA's caching allocator rounds). Many buffers of
+    similar sizes cross the same sections and long-lived ones lie on short-lived ones; the load
+    sits exactly at the bound on most sections, so every section must tile perfectly."""
+    rng = random.Random(seed)
+    rects = tight_rectangles(
+        rng,
+        num_buffers,
+        height_units,
+        mean_size_units=mean_size_units,
+        hole_share=hole_share,
+        size_spread=size_spread,
+        long_steps=long_steps,
+    )
+    order = sorted(range(len(rects)), key=lambda i: rng.random())  # no hint in the buffer order
+    problem = PlacementProblem.from_intervals(
+        [(rects[i][3] - rects[i][2]) * unit_bytes for i in order],
+        [(rects[i][0], rects[i][1]) for i in order],
+        names=tuple(f"b{k}" for k in range(len(rects))),
+        alignment_bytes=unit_bytes,
+    )
+    offsets = tuple(rects[i][2] * unit_bytes for i in order)
+    return Instance(problem, offsets, height_units * unit_bytes)

@@ -41,8 +41,11 @@ def optimize_order(
     workers: int = 2,
 ) -> ScheduleResult:
     """The best order found for ``graph``: "heuristic" runs the portfolio only; "ilp" and
-    "auto" run the CP-SAT model (OLLA eq. 14) warm-started from it ("auto" falls back to the
-    portfolio on graphs too large for the model)."""
+    "auto" then run the exact search over ideals (:mod:`memplan.schedule.ideals`: a cap
+    bisection from the lower bound, segment by segment, which finds the optimum and proves it on
+    most training steps), the cut bound (:mod:`memplan.schedule.bounds`) where a gap is left,
+    and the CP-SAT model (OLLA eq. 14) warm-started from the best order with the time left
+    ("auto" falls back to the portfolio on graphs too large for the model)."""
     problem = ScheduleProblem(
         graph,
         time_limit_seconds=time_limit_seconds,

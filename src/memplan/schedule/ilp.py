@@ -28,7 +28,13 @@ timesteps). Consequences, and how each OLLA technique is used:
 * Warm start: the best heuristic per segment is the hint (``AddHint``) and an upper bound;
   decoding (Function 1) sorts the ops by the timestep at which ``R`` turns 1.
 
-A result is "optimal" only when every segment that can reach the peak was solved exactly on
+Before the model, :func:`optimize_ilp` runs the exact search over ideals
+(:mod:`memplan.schedule.ideals`) with :data:`IDEAL_SHARE` of the time, then the cut bound
+(:mod:`memplan.schedule.bounds`) if a gap is left; the model only runs if the best order is
+still above the best proven bound.
+
+A result is "optimal" only when its peak meets a proven lower bound: the search over ideals
+exhausted the cap below it, or every segment that can reach the peak was solved exactly on
 the original graph (no control edges, no windows); otherwise it is "feasible" with the gap
 to the best valid lower bound. It is never worse than the best heuristic.
 """
@@ -47,13 +53,18 @@ from memplan.graph.analysis import Reachability, necessarily_resident_bytes, pea
 from memplan.graph.check import validate_order
 from memplan.graph.ir import Category, Graph, OpId
 from memplan.graph.liveness import memory_timeline, peak_bytes, positions
+from memplan.schedule.bounds import cut_lower_bound
 from memplan.schedule.early_updates import enforce_early_weight_updates, map_order
-from memplan.schedule.heuristics import early_release_ops, free_sources, hoist_free_sources, portfolio
+from memplan.schedule.heuristics import Candidate, early_release_ops, free_sources, hoist_free_sources, portfolio
+from memplan.schedule.ideals import minimise_peak
 from memplan.schedule.problem import ScheduleProblem, ScheduleResult, relative_gap
 from memplan.solvers import SolveStatus, solve_cp_sat
 
 Term = int | cp_model.IntVar  # a 0/1 constant or a Boolean variable
 STALL_FRACTION = 0.2  # stop a segment's search once this share of its time brought nothing better
+# Time-indexed literals built per second (in Python, on a 2-core machine); a model that would
+# take more than half of its time to build is not started.
+BUILD_LITERALS_PER_SECOND = 20_000
 
 
 # ----------------------------------------------------------------------------- spans
@@ -442,10 +453,13 @@ class ReorderSolver:
         limit_seconds: float,
         windowed: bool,
     ) -> _Outcome:
+        incumbent_bytes = segment_peak(graph, order, seg.first, seg.last)
+        if spans.literal_count(seg.ops) > BUILD_LITERALS_PER_SECOND * min(limit_seconds, self.remaining_seconds()) / 2:
+            # Building the model alone would take most of the time left: keep the incumbent.
+            return _Outcome(order[seg.first : seg.last + 1], incumbent_bytes, 0, None)
         built_at = time.perf_counter()
         model = SegmentModel(graph, reach, spans, seg)
         limit_seconds = min(limit_seconds - (time.perf_counter() - built_at), self.remaining_seconds())
-        incumbent_bytes = segment_peak(graph, order, seg.first, seg.last)
         model.model.Add(model.peak * model.scale <= incumbent_bytes)
         # Every op of the segment runs inside it, with at least its necessarily resident bytes.
         floor_bytes = max(self.resident_bytes[v] for v in seg.ops)
@@ -498,7 +512,9 @@ class ReorderSolver:
                 graph, reach, narrow, current, seg, min(left, max(left / 3, 1.0)), windowed=True
             )
             current[seg.first : seg.last + 1] = outcome.order
-            if outcome.peak_bytes >= best_bytes and outcome.status is not None and outcome.status.status == "optimal":
+            if outcome.status is None:
+                break  # no time left to build a window's model
+            if outcome.peak_bytes >= best_bytes and outcome.status.status == "optimal":
                 break  # a local optimum for this window width
             best_bytes = min(best_bytes, outcome.peak_bytes)
         return _Outcome(current[seg.first : seg.last + 1], best_bytes, 0, None)
@@ -514,6 +530,17 @@ def optimize_ilp(problem: ScheduleProblem, report: Callable[[str], None] | None 
     reach = Reachability.of(graph)
     spans = Spans.of(graph, reach)
     lower_bytes = peak_lower_bound(graph, reach)
+    if problem.ideal_search and candidates[0].peak_bytes > lower_bytes:
+        candidates, lower_bytes = _search_ideals(problem, candidates, lower_bytes, start, say)
+    if candidates[0].peak_bytes <= lower_bytes:  # at a proven bound: the ILP has nothing to add
+        best = candidates[0]
+        seconds = time.perf_counter() - start
+        return ScheduleResult(best.order, best.peak_bytes, "ilp", "optimal", seconds, 0.0, best.peak_bytes)
+    if start + problem.time_limit_seconds - time.perf_counter() < MIN_ILP_SECONDS:
+        best = candidates[0]  # too little time left to build the CP-SAT model of anything
+        gap = relative_gap(best.peak_bytes, lower_bytes)
+        seconds = time.perf_counter() - start
+        return ScheduleResult(best.order, best.peak_bytes, "ilp", "feasible", seconds, gap, lower_bytes)
     work, exact = graph, True
     if _use_early_updates(problem, graph, spans):
         work, edges = enforce_early_weight_updates(graph)
@@ -534,6 +561,41 @@ def optimize_ilp(problem: ScheduleProblem, report: Callable[[str], None] | None 
     gap = relative_gap(final_bytes, lower_bytes)
     status = "optimal" if final_bytes == lower_bytes else "feasible"
     return ScheduleResult(tuple(final), final_bytes, "ilp", status, time.perf_counter() - start, gap, lower_bytes)
+
+
+# Share of the time limit given to the search over ideals (memplan.schedule.ideals) before the
+# CP-SAT model; then, if a gap is left, up to this share of what is left to the cut bound.
+IDEAL_SHARE = 0.5
+CUT_SHARE = 0.2
+# The CP-SAT stage is not started with less time than this left.
+MIN_ILP_SECONDS = 1.0
+
+
+def _search_ideals(
+    problem: ScheduleProblem,
+    candidates: list[Candidate],
+    lower_bytes: int,
+    start: float,
+    say: Callable[[str], None],
+) -> tuple[list[Candidate], int]:
+    """The exact search over ideals (cap bisection from the lower bound), then the cut bound on
+    its best order: returns the candidates (its order first when better) and the bound."""
+    graph = problem.graph
+    deadline = start + IDEAL_SHARE * problem.time_limit_seconds
+    reach = Reachability.of(graph)
+    parts = segments(Spans.of(graph, reach))
+    start_order = hoist_free_sources(graph, candidates[0].order)  # the spans' convention
+    found = minimise_peak(graph, lower_bytes, start_order, deadline, parts=parts)
+    lower_bytes = max(lower_bytes, found.proven_lower_bytes)
+    say(f"search over ideals: peak {found.peak_bytes:,} B, proven >= {lower_bytes:,} B ({len(found.probes)} probes)")
+    if found.order is not None and found.peak_bytes < candidates[0].peak_bytes:
+        candidates = [Candidate("ideal-search", found.order, found.peak_bytes), *candidates]
+    best = candidates[0]
+    if best.peak_bytes > lower_bytes:
+        left = start + problem.time_limit_seconds - time.perf_counter()
+        cut = cut_lower_bound(graph, best.order, lower_bytes, time.perf_counter() + CUT_SHARE * max(left, 0.0))
+        lower_bytes = max(lower_bytes, cut.bound_bytes)
+    return candidates, min(lower_bytes, best.peak_bytes)
 
 
 def _is_topological(graph: Graph, order: Sequence[int]) -> bool:

@@ -27,7 +27,8 @@ class ScheduleProblem:
     ``early_updates``: "auto" adds OLLA 4.3 control edges only when the exact model would be
     too large; "always" / "never" force the choice. ``max_model_literals`` caps the number of
     time-indexed booleans of one CP-SAT model; larger segments are solved in windows around
-    the incumbent order (then the status is at best "feasible").
+    the incumbent order (then the status is at best "feasible"). ``ideal_search`` runs the exact
+    search over ideals (:mod:`memplan.schedule.ideals`) before the CP-SAT model.
     """
 
     graph: Graph
@@ -37,6 +38,7 @@ class ScheduleProblem:
     progress: bool = False
     early_updates: Literal["auto", "always", "never"] = "auto"
     max_model_literals: int = 150_000
+    ideal_search: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
