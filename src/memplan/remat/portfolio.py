@@ -1,0 +1,331 @@
+"""One call that plans rematerialisation under a budget: :func:`solve_remat`.
+
+The portfolio runs, within one time limit, and keeps the cheapest plan that fits:
+
+1. the **memory floor** (:func:`memplan.remat.problem.memory_floor`): a budget below it has
+   no plan, proven, and the answer is "infeasible" at once;
+2. every **baseline** of :mod:`memplan.remat.baselines` on the whole graph (Chen's, Griewank's,
+   AP, linearized, Chen's drop-cheap): plans in a second, and the warm starts of the solvers;
+3. **Moccasin's CP model** (:mod:`memplan.remat.moccasin`) on the whole graph, hinted with the
+   best plan so far. Only when the whole model is too big for the time limit is the graph
+   coarsened first, and the result says so (``details["nodes_before"]``/``["nodes_after"]``);
+4. **Checkmate's MILP** (:mod:`memplan.remat.milp`) on its coarsened graph, warm-started from
+   the best plan it can read, in the time left, when the CP model has not closed its gap.
+
+Every candidate is lowered, validated (:func:`memplan.remat.lower.validate_sequence`) and
+measured by the one estimator; an invalid one is dropped and noted. The answer has one
+status: "optimal" (a formulation proved its optimum and no plan beats it), "feasible" (a plan
+within the budget, with its gap to the bound of the CP model when there is one),
+"infeasible" (only when the memory floor proves it) or "unknown" (no plan within the time
+limit). The bound and gap speak for the scope named in ``details["scope"]``: plans with at
+most ``runs_per_node`` runs of each node of the solver graph the CP model decided over.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from memplan.graph.ir import Graph
+from memplan.remat.baselines import BASELINES
+from memplan.remat.coarsen import SolverGraph, coarsen
+from memplan.remat.lower import InvalidPlan, validate_sequence
+from memplan.remat.milp import solve_checkmate
+from memplan.remat.moccasin import RUNS_PER_NODE, build_events, node_reads, solve_moccasin
+from memplan.remat.problem import RematProblem, RematSchedule, memory_floor
+
+WHOLE = 10**9
+"""``max_solver_nodes`` that keeps every unit: the whole graph (0-byte ops ride with the op before)."""
+MILP_NODES = 200
+"""The MILP's solver graph (O(n^2) variables): Checkmate's model on about this many nodes."""
+EVENTS_PER_SECOND = 4000
+"""Largest CP model (events) per second of time limit that solves on the whole graph; above it
+the graph is coarsened until the model fits (measured on the zoo, 2 cores)."""
+GAP_LIMIT = 1e-3
+"""Stop once the plan is proven within 0.1% of the optimum's compute."""
+CP_SHARE = 0.8
+"""The CP model's share of the time left when the MILP runs after it (on what the CP leaves)."""
+
+Progress = Callable[[str], None]
+
+
+def solve_remat(
+    graph: Graph,
+    budget_bytes: int,
+    time_limit_seconds: float = 60.0,
+    *,
+    cost: tuple[float, ...] = (),
+    workspace: tuple[int, ...] = (),
+    workers: int = 2,
+    formulations: tuple[str, ...] = ("moccasin", "checkmate"),
+    runs_per_node: int = RUNS_PER_NODE,
+    gap_limit: float = GAP_LIMIT,
+    progress: Progress | None = None,
+) -> RematSchedule:
+    """The cheapest plan for ``graph`` within ``budget_bytes`` that the portfolio finds in
+    ``time_limit_seconds`` (see the module docstring).
+
+    Returns a :class:`RematSchedule` with strategy "portfolio": ``steps`` is the lowered
+    sequence the runtime executes (``("run", op)``, ``("free", tensor)``), ``details["rows"]``
+    the decisions (Checkmate's ``R`` over ``details["groups"]``, the solver graph's nodes as
+    op ids), ``status`` and ``gap`` as above, ``details["attempts"]`` what each part of the
+    portfolio found. ``cost``/``workspace``: per op, as in :class:`RematProblem`.
+    """
+    start = time.perf_counter()
+    report = progress or (lambda _: None)
+    problem = RematProblem(
+        graph,
+        int(budget_bytes),
+        cost,
+        time_limit_seconds=time_limit_seconds,
+        workers=workers,
+        max_solver_nodes=WHOLE,
+        workspace=workspace,
+    )
+    floor = memory_floor(problem)
+    if problem.budget_bytes < floor.bytes:
+        op = graph.ops[floor.op].name
+        why = f"no plan within {problem.budget_bytes} B: op {op!r} alone needs {floor.bytes} B resident (memory floor)"
+        return _no_plan(problem, "infeasible", why, start, {"floor_bytes": floor.bytes})
+    run = _Portfolio(problem, start, gap_limit, report, formulations)
+    run.baselines()
+    if "moccasin" in formulations and not run.done():
+        run.moccasin(runs_per_node)
+    if "checkmate" in formulations and not run.done():
+        run.checkmate()
+    return run.result(floor.bytes)
+
+
+class _Portfolio:
+    """The state of one :func:`solve_remat` call: the best plan so far and every attempt."""
+
+    def __init__(
+        self, problem: RematProblem, start: float, gap_limit: float, report: Progress, formulations: tuple[str, ...]
+    ) -> None:
+        self.problem, self.start, self.gap_limit, self.report = problem, start, gap_limit, report
+        self.formulations = formulations
+        self.whole = coarsen(problem, WHOLE)
+        self.best: RematSchedule | None = None
+        self.attempts: list[dict[str, object]] = []
+        self.bound: float | None = None
+        self.scope = ""
+        self.proved_optimal = False
+        self.cp_nodes = self.whole.size
+        self.sg_of: dict[str, SolverGraph] = {}
+
+    def left(self) -> float:
+        return self.problem.time_limit_seconds - (time.perf_counter() - self.start)
+
+    def done(self) -> bool:
+        """The best plan is proven optimal or within the gap limit, or no time is left."""
+        if self.left() <= 0.05:
+            return True
+        if self.best is None:
+            return False
+        if self.best.compute_cost <= self.best.plain_cost:
+            return True  # no recomputation: nothing can be cheaper
+        return self.proved_optimal or (self.gap() is not None and self.gap() <= self.gap_limit)  # type: ignore[operator]
+
+    def gap(self) -> float | None:
+        if self.best is None or self.bound is None or self.best.compute_cost <= 0:
+            return None
+        return max(0.0, self.best.compute_cost - self.bound) / self.best.compute_cost
+
+    def offer(self, plan: RematSchedule | None, source: str, sg: SolverGraph) -> bool:
+        """Keep ``plan`` if it is valid, fits and is cheaper than the best so far."""
+        if plan is None or not plan.feasible:
+            return False
+        try:
+            validate_sequence(self.problem.graph, plan.steps)
+        except InvalidPlan as err:
+            self.attempts.append({"name": source, "status": "invalid", "message": str(err)})
+            return False
+        if self.best is not None and plan.compute_cost >= self.best.compute_cost:
+            return False
+        plan.details["from"] = source
+        self.best = plan
+        self.sg_of[source] = sg
+        return True
+
+    def baselines(self) -> None:
+        self.report("baselines")
+        for name, solve in BASELINES.items():
+            began = time.perf_counter()
+            plan = solve(self.problem)
+            self.offer(plan, name, self.whole)
+            self.attempts.append(_attempt(name, plan, time.perf_counter() - began, self.whole.size))
+
+    def moccasin(self, runs_per_node: int) -> None:
+        sg = self.cp_graph()
+        self.cp_nodes = sg.size
+        hint = self.hint_for(sg)
+        share = self.left() * (CP_SHARE if "checkmate" in self.formulations else 1.0)
+        self.report(f"moccasin on {sg.size} nodes ({share:.0f} s)")
+        problem = self.problem_for(sg)
+        plan, status, details = solve_moccasin(problem, sg, hint, runs_per_node, share, self.gap_limit)
+        self.attempts.append(
+            {**_attempt("moccasin", plan, status.seconds, sg.size), "solver_status": status.status, **details}
+        )
+        if status.bound is not None:
+            self.bound, self.scope = status.bound, str(details["scope"])
+        self.offer(plan, "moccasin", sg)
+        if status.status == "optimal" and plan is not None and self.best is not None:
+            # the best plan costs no more than the proven optimum of the CP model's scope
+            self.proved_optimal = self.best.compute_cost <= plan.compute_cost
+
+    def checkmate(self) -> None:
+        problem = RematProblem(
+            self.problem.graph,
+            self.problem.budget_bytes,
+            self.problem.cost,
+            time_limit_seconds=max(0.1, self.left()),
+            workers=self.problem.workers,
+            max_solver_nodes=MILP_NODES,
+            workspace=self.problem.workspace,
+        )
+        sg = coarsen(problem, MILP_NODES)
+        warm = self.best if self.best is not None and self._same_graph(sg) else None
+        self.report(f"checkmate MILP on {sg.size} nodes ({problem.time_limit_seconds:.0f} s)")
+        began = time.perf_counter()
+        plan = solve_checkmate(problem, warm)
+        attempt = _attempt("checkmate", plan, time.perf_counter() - began, sg.size)
+        attempt["solver_status"] = plan.details.get("solver_status", plan.status)
+        self.attempts.append(attempt)
+        kept = self.offer(plan, "checkmate", sg)
+        if kept and self.bound is None and plan.gap is not None:
+            self.bound = plan.compute_cost * (1 - plan.gap)
+            self.scope = f"plans over the {sg.size}-node solver graph of Checkmate's MILP"
+        if kept and plan.details.get("solver_status") == "optimal" and sg.size == self.whole.size:
+            self.proved_optimal = True
+
+    def _same_graph(self, sg: SolverGraph) -> bool:
+        source = self.best.details.get("from") if self.best is not None else None
+        mine = self.sg_of.get(str(source))
+        return mine is not None and mine.groups == sg.groups
+
+    def cp_graph(self) -> SolverGraph:
+        """The whole graph, or the finest coarsening whose CP model fits the time left."""
+        limit = EVENTS_PER_SECOND * max(1.0, self.left())
+        if _events(self.whole) <= limit:
+            return self.whole
+        low, high = 20, self.whole.size
+        best = coarsen(self.problem, low)
+        while high - low > 8:
+            mid = (low + high) // 2
+            sg = coarsen(self.problem, mid)
+            if _events(sg) <= limit:
+                low, best = mid, sg
+            else:
+                high = mid
+        return best
+
+    def problem_for(self, sg: SolverGraph) -> RematProblem:
+        return RematProblem(
+            self.problem.graph,
+            self.problem.budget_bytes,
+            self.problem.cost,
+            time_limit_seconds=self.problem.time_limit_seconds,
+            workers=self.problem.workers,
+            max_solver_nodes=sg.size,
+            workspace=self.problem.workspace,
+        )
+
+    def hint_for(self, sg: SolverGraph) -> list[list[int]] | None:
+        """The best plan's decisions if they are over ``sg``; else the best baseline's on ``sg``."""
+        if self.best is not None and self._same_graph(sg):
+            return self.best.details["rows"]  # type: ignore[return-value]
+        problem = self.problem_for(sg)
+        plans = [solve(problem) for solve in BASELINES.values()]
+        fits = [p for p in plans if p.feasible]
+        return min(fits, key=lambda p: p.compute_cost).details["rows"] if fits else None  # type: ignore[return-value]
+
+    def result(self, floor_bytes: int) -> RematSchedule:
+        details: dict[str, object] = {
+            "attempts": self.attempts,
+            "nodes_before": self.whole.size,
+            "nodes_after": self.cp_nodes,
+            "coarsened": self.cp_nodes < self.whole.size,
+            "ops": len(self.problem.graph.ops),
+            "floor_bytes": floor_bytes,
+            "scope": self.scope,
+            "bound": self.bound,
+        }
+        if self.best is None:
+            proofs = [a for a in self.attempts if a.get("status") == "infeasible"]
+            if proofs:
+                return _no_plan(self.problem, "infeasible", str(proofs[0]["message"]), self.start, details)
+            why = f"no plan within {self.problem.budget_bytes} B found in {self.problem.time_limit_seconds:g} s"
+            return _no_plan(self.problem, "unknown", why, self.start, details)
+        best = self.best
+        gap = self.gap()
+        optimal = best.compute_cost <= best.plain_cost or self.proved_optimal or gap == 0.0
+        plan = RematSchedule(
+            "portfolio",
+            best.budget_bytes,
+            best.steps,
+            best.peak_bytes,
+            best.compute_cost,
+            best.plain_cost,
+            "optimal" if optimal else "feasible",
+            seconds=time.perf_counter() - self.start,
+            gap=0.0 if optimal else gap,
+            details={**details, "from": best.details.get("from"), "rows": best.details.get("rows")},
+        )
+        sg = self.sg_of.get(str(best.details.get("from")))
+        if sg is not None:
+            plan.details["groups"] = sg.groups
+        return plan
+
+
+def _events(sg: SolverGraph) -> int:
+    return build_events(sg, node_reads(sg)).horizon - 1
+
+
+def _attempt(name: str, plan: RematSchedule | None, seconds: float, nodes: int) -> dict[str, object]:
+    out: dict[str, object] = {"name": name, "nodes": nodes, "seconds": round(seconds, 3)}
+    if plan is not None:
+        out.update(status=plan.status, feasible=plan.feasible, gap=plan.gap, message=plan.message)
+        out["overhead"] = round(plan.overhead, 6) if plan.feasible else None
+    return out
+
+
+def _no_plan(problem: RematProblem, status: str, why: str, start: float, details: dict[str, object]) -> RematSchedule:
+    return RematSchedule(
+        "portfolio",
+        problem.budget_bytes,
+        [],
+        0,
+        0.0,
+        problem.plain_cost,
+        status,
+        seconds=time.perf_counter() - start,
+        message=why,
+        details=details,
+    )
+
+
+def moccasin_strategy(problem: RematProblem) -> RematSchedule:
+    """Moccasin's CP model alone (after the baselines, its warm starts), as a strategy."""
+    plan = solve_remat(
+        problem.graph,
+        problem.budget_bytes,
+        problem.time_limit_seconds,
+        cost=problem.cost,
+        workspace=problem.workspace,
+        workers=problem.workers,
+        formulations=("moccasin",),
+    )
+    plan.strategy = "moccasin"
+    return plan
+
+
+def portfolio_strategy(problem: RematProblem) -> RematSchedule:
+    """:func:`solve_remat` as a strategy of :data:`memplan.remat.STRATEGIES`."""
+    return solve_remat(
+        problem.graph,
+        problem.budget_bytes,
+        problem.time_limit_seconds,
+        cost=problem.cost,
+        workspace=problem.workspace,
+        workers=problem.workers,
+    )
