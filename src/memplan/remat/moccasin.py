@@ -217,8 +217,12 @@ def cost_scale(costs: tuple[float, ...]) -> tuple[list[int], float]:
     return [max(0, round(c / unit)) for c in costs], unit
 
 
-def build_model(sg: SolverGraph, budget_bytes: int, persistent_bytes: int, runs_per_node: int) -> CpModel:
-    """Moccasin over ``sg`` (see the module docstring)."""
+def build_model(
+    sg: SolverGraph, budget_bytes: int, persistent_bytes: int, runs_per_node: int, defer: bool = False
+) -> CpModel:
+    """Moccasin over ``sg`` (see the module docstring). With ``defer``, a node's first run in
+    its own stage is optional too: the node may first run in a later stage (a slot of its
+    re-run window), which moves it later in the order (see :func:`solve_moccasin`)."""
     reads = node_reads(sg)
     events = build_events(sg, reads)
     model = cp_model.CpModel()
@@ -230,7 +234,9 @@ def build_model(sg: SolverGraph, budget_bytes: int, persistent_bytes: int, runs_
     last_read = _last_read_events(sg, events, reads)
     runs: list[list[_Run]] = []
     for k in range(sg.size):
-        node_runs = [_Run(events.first(k), 1)]
+        deferrable = defer and bool(events.recompute[k]) and not _read_without_bytes(sg, k)
+        first = model.new_bool_var(f"p{k}_0") if deferrable else 1
+        node_runs = [_Run(events.first(k), first)]
         if events.recompute[k]:
             domain = cp_model.Domain.from_values([events.index[t, k] for t in events.recompute[k]])
             for r in range(1, min(runs_per_node, len(events.recompute[k]) + 1)):
@@ -240,7 +246,11 @@ def build_model(sg: SolverGraph, budget_bytes: int, persistent_bytes: int, runs_
             for q, (b, _) in enumerate(sg.parts[k]):
                 if b:
                     low = events.first(k) + 1 if r == 0 else 0
-                    run.ends[q] = model.new_int_var(low, max(low, last_read[k][q] + 1), f"e{k}_{r}_{q}")
+                    # a part nobody reads any more still lives over its own event
+                    high = max(low, last_read[k][q] + 1, (events.first(k) if r == 0 else events.latest(k)) + 1)
+                    run.ends[q] = model.new_int_var(low, high, f"e{k}_{r}_{q}")
+        if not isinstance(first, int):
+            model.add_bool_or([run.present for run in node_runs])  # every node runs at least once
         runs.append(node_runs)
     intervals, demands = _memory_intervals(model, sg, events, runs, work, unit, horizon)
     if capacity < 0:
@@ -249,8 +259,24 @@ def build_model(sg: SolverGraph, budget_bytes: int, persistent_bytes: int, runs_
     _precedence(model, reads, runs)
     _runs_do_not_overlap(model, runs)
     costs, cost_unit = cost_scale(sg.cost)
-    model.minimize(sum(costs) + sum(costs[k] * run.present for k, rs in enumerate(runs) for run in rs[1:]))
+    model.minimize(sum(costs[k] * run.present for k, node_runs in enumerate(runs) for run in node_runs))
     return CpModel(model, events, reads, runs, cost_unit, unit)
+
+
+def _read_without_bytes(sg: SolverGraph, k: int) -> bool:
+    """Another node reads an output of ``k`` that is no part with bytes (a control token, a
+    view handle, a persistent tensor): it reads the first instance whatever the plan, so
+    ``k``'s first run may not be deferred past it."""
+    graph = sg.graph
+    members = set(sg.groups[k])
+    for v in sg.groups[k]:
+        for t in graph.ops[v].outputs:
+            tensor = graph.tensors[t]
+            if any(c not in members for c in graph.consumers[t]) and (tensor.persistent or tensor.size_bytes == 0):
+                return True
+            if tensor.category is Category.OUTPUT:
+                return True
+    return False
 
 
 def _last_read_events(sg: SolverGraph, events: Events, reads: Reads) -> list[list[int]]:
@@ -277,14 +303,14 @@ def _memory_intervals(
         for r, run in enumerate(node_runs):
             for q, end in run.ends.items():
                 size = model.new_int_var(1, horizon, f"len{k}_{r}_{q}")
-                if r == 0:
+                if isinstance(run.present, int):
                     intervals.append(model.new_interval_var(run.start, size, end, f"i{k}_{r}_{q}"))
                 else:
                     name = f"i{k}_{r}_{q}"
                     intervals.append(model.new_optional_interval_var(run.start, size, end, run.present, name))
                 demands.append(sg.parts[k][q][0] // unit)
             if work[k]:
-                if r == 0:
+                if isinstance(run.present, int):
                     intervals.append(model.new_fixed_size_interval_var(run.start, 1, f"w{k}"))
                 else:
                     intervals.append(model.new_optional_fixed_size_interval_var(run.start, 1, run.present, f"w{k}_{r}"))
@@ -307,28 +333,31 @@ def _precedence(model: cp_model.CpModel, reads: Reads, runs: list[list[_Run]]) -
 
 def _served(model: cp_model.CpModel, sources: list[_Run], q: int, reader: _Run) -> None:
     when = [] if isinstance(reader.present, int) else [reader.present]
-    if len(sources) == 1:
+    if len(sources) == 1 and isinstance(sources[0].present, int):
         model.add(sources[0].ends[q] >= reader.start + 1).only_enforce_if(when)
         return
     chosen = [model.new_bool_var("") for _ in sources]
     model.add_bool_or([*chosen, *(w.Not() for w in when)])
     for source, x in zip(sources, chosen, strict=True):
         model.add(source.ends[q] >= reader.start + 1).only_enforce_if([*when, x])
-        if source is not sources[0]:
+        if not isinstance(source.present, int):
             model.add_implication(x, source.present)
+        if not isinstance(source.start, int):
             model.add(source.start + 1 <= reader.start).only_enforce_if([*when, x])
 
 
 def _runs_do_not_overlap(model: cp_model.CpModel, runs: list[list[_Run]]) -> None:
     """Runs come in order, and a node's outputs are freed before it runs again (a live
-    tensor is not made twice)."""
+    tensor is not made twice). Re-runs fill their slots in order; the first run (in the
+    node's own stage) may be absent only when first runs may be deferred."""
     for node_runs in runs:
-        for before, after in itertools.pairwise(node_runs):
-            if not isinstance(before.present, int):
+        for r, (before, after) in enumerate(itertools.pairwise(node_runs)):
+            both = [after.present] + ([] if isinstance(before.present, int) else [before.present])
+            if r > 0:
                 model.add_implication(after.present, before.present)
                 model.add(before.start < after.start).only_enforce_if(after.present)
             for end in before.ends.values():
-                model.add(end <= after.start).only_enforce_if(after.present)
+                model.add(end <= after.start).only_enforce_if(both)
 
 
 def rows_from_solution(cm: CpModel, solver: cp_model.CpSolver, n: int) -> list[list[int]]:
@@ -362,8 +391,9 @@ def add_hints(cm: CpModel, sg: SolverGraph, rows: list[list[int]]) -> bool:
     for k, node_runs in enumerate(cm.runs):
         for r, run in enumerate(node_runs):
             used = r < len(placed[k])
-            if r > 0:
+            if not isinstance(run.present, int):
                 cm.model.add_hint(run.present, used)
+            if not isinstance(run.start, int):
                 cm.model.add_hint(run.start, placed[k][r] if used else _domain_min(run.start))
             for q, end in run.ends.items():
                 cm.model.add_hint(end, ends[k][r][q] if used else _domain_min(end))
@@ -395,12 +425,19 @@ def solve_moccasin(
     runs_per_node: int = RUNS_PER_NODE,
     time_limit_seconds: float | None = None,
     gap_limit: float = 0.0,
+    defer: bool = False,
 ) -> tuple[RematSchedule | None, SolveStatus, dict[str, object]]:
     """Solve Moccasin over ``sg``: the lowered plan (None without one), the solver's status
     (objective and bound in the problem's cost units) and details for the result. The search
-    stops once the plan is proven within ``gap_limit`` of the optimum (relative)."""
+    stops once the plan is proven within ``gap_limit`` of the optimum (relative).
+
+    ``defer`` (joint recomputation and reordering, which Checkmate and Moccasin do not do):
+    a node's first run may move to a later stage, i.e. later in the order. The decisions still
+    list node ``t`` in stage ``t`` (Checkmate's ``R[t, t] = 1``); the lowering drops that run
+    since nobody reads it (:func:`memplan.remat.lower.lower`), so the plan runs the node first
+    where the model put it."""
     start = time.perf_counter()
-    cm = build_model(sg, problem.budget_bytes, problem.graph.persistent_bytes, runs_per_node)
+    cm = build_model(sg, problem.budget_bytes, problem.graph.persistent_bytes, runs_per_node, defer)
     hinted = add_hints(cm, sg, hint_rows) if hint_rows is not None else False
     built = time.perf_counter() - start
     limit = problem.time_limit_seconds if time_limit_seconds is None else time_limit_seconds
@@ -413,7 +450,8 @@ def solve_moccasin(
         "events": cm.events.horizon - 1,
         "hinted": hinted,
         "build_seconds": round(built, 3),
-        "scope": f"plans with at most {runs_per_node} runs per node of the {sg.size}-node solver graph",
+        "scope": f"plans with at most {runs_per_node} runs per node of the {sg.size}-node solver graph"
+        + (", first runs deferrable" if defer else ", first runs in program order"),
         "bound": status.bound,
     }
     if status.status not in ("optimal", "feasible"):

@@ -154,9 +154,10 @@ def forward_end(graph: Graph) -> ForwardEnd:
     graph's structure, as Checkmate's baselines need for any graph (its own graphs come with
     their forward nodes): the point of program order where the most bytes are *kept for
     later*, i.e. made by re-runnable ops before it and read again by re-runnable ops after
-    it, not right after being made. In a training step that is where the forward pass ends
-    (every saved activation waits for its backward op); gradients waiting for a run-once
-    optimizer update do not count. A graph where no such value exists has no split."""
+    it, not right after being made (the last such op where several tie). In a training step
+    that is where the forward pass ends (every saved activation waits for its backward op);
+    gradients waiting for a run-once optimizer update do not count. A graph where no such
+    value exists has no split."""
     marked = loss_op(graph)
     if marked is not None:
         return ForwardEnd(marked, "marked loss")
@@ -174,7 +175,7 @@ def forward_end(graph: Graph) -> ForwardEnd:
     best_bytes, best_op, kept = 0, None, 0
     for v in range(n):
         kept += change[v]
-        if kept > best_bytes:
+        if kept >= best_bytes and kept > 0:  # the last op of the highest plateau
             best_bytes, best_op = kept, v
     if best_op is None:
         return ForwardEnd(None, NO_SPLIT)
@@ -237,9 +238,13 @@ class RematProblem:
 class RematSchedule:
     """One strategy's answer. ``overhead = (compute_cost - plain cost) / plain cost``.
 
-    ``status``: "optimal" | "feasible" (a solver's own answer), "heuristic" (a baseline),
-    "fallback" (the MILP found nothing better than the best baseline, whose plan this is),
-    "over-budget" (a plan exists but exceeds the budget), "not-applicable", "infeasible".
+    ``status`` says what was proven. A solver ("checkmate", "moccasin", "portfolio"):
+    "optimal", "feasible" (a plan within the budget; ``gap`` is its distance to the solver's
+    bound, relative to the whole step's compute), "infeasible" (proven: no plan exists, see
+    :func:`memplan.remat.problem.memory_floor`), "unknown" (no plan found in the time limit;
+    plans may exist). A baseline: "heuristic" (its plan), "over-budget" (its plans exceed the
+    budget), "not-applicable" (with the reason in ``message``). ``details["from"]``: which
+    strategy made the plan a solver returns (a baseline's, when the solver found no cheaper).
     """
 
     strategy: str
@@ -266,7 +271,7 @@ class RematSchedule:
 
     def summary(self) -> dict[str, object]:
         """The per-strategy JSON of ``memplan remat``."""
-        return {
+        out: dict[str, object] = {
             "feasible": self.feasible,
             "peak_bytes": self.peak_bytes if self.steps else None,
             "overhead": round(self.overhead, 6) if self.feasible else None,
@@ -275,9 +280,15 @@ class RematSchedule:
             "gap": self.gap,
             "message": self.message,
         }
+        for key in ("from", "scope", "nodes_before", "nodes_after", "coarsened", "solver_status", "floor_bytes"):
+            if key in self.details:
+                out[key] = self.details[key]
+        if "attempts" in self.details:
+            out["attempts"] = self.details["attempts"]
+        return out
 
 
-_NOT_A_PLAN = frozenset({"over-budget", "not-applicable", "infeasible"})
+_NOT_A_PLAN = frozenset({"over-budget", "not-applicable", "infeasible", "unknown"})
 
 
 def run_cost(cost: Sequence[float], steps: Sequence[Step]) -> float:
