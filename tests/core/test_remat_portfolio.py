@@ -337,3 +337,22 @@ def test_cli_reports_status_gap_and_nodes_on_a_marks_free_file(tmp_path: Path) -
     assert portfolio["overhead"] <= min(
         s["overhead"] for s in report["strategies"].values() if s["feasible"] and s["overhead"] is not None
     )
+
+
+def test_the_portfolio_runs_every_baseline() -> None:
+    from memplan.remat.portfolio import BASELINE_ORDER, QUICK_BASELINES
+
+    assert sorted(BASELINE_ORDER) == sorted(BASELINES) and set(QUICK_BASELINES) <= set(BASELINES)
+
+
+def test_phase_one_finds_a_plan_where_no_baseline_fits() -> None:
+    graph = small_graph(0, 14)
+    top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
+    problem = RematProblem(graph, int(top * 0.85), time_limit_seconds=10.0, workers=1, max_solver_nodes=10**6)
+    assert not any(solve(problem).feasible for solve in BASELINES.values())
+    plan, status, details = solve_moccasin(problem, solver_graph(problem))
+    assert str(details["phase1"]).startswith("found a plan")
+    assert plan is not None and plan.feasible and status.status == "optimal"
+    validate_sequence(graph, plan.steps)
+    portfolio = solve_remat(graph, problem.budget_bytes, 10.0, workers=1)
+    assert portfolio.status == "optimal" and portfolio.compute_cost == plan.compute_cost

@@ -13,6 +13,10 @@ the same code (:mod:`memplan.remat.lower`).
 * AP sqrt(n) / AP greedy: Chen on the articulation points of the forward graph (5.1.1);
 * linearized sqrt(n) / linearized greedy: Chen on the forward nodes in topological order
   (5.1.2); on a linear graph these equal Chen's;
+* DTR (Kirisame et al., "Dynamic Tensor Rematerialization", ICLR 2021): run the graph in
+  program order; when the next run does not fit, evict the resident value with the lowest
+  ``cost / (bytes * staleness)``, and recompute an evicted value (recursively) when it is
+  read. It needs no forward/backward split: the baseline for any graph;
 * Chen drop-cheap (Chen et al. 4.2, "drop the results of low cost operations"): drop the
   forward values that are cheapest to make per byte (batch norm, activations, pooling; a
   convolution's output is kept), recompute each once when the backward pass needs it; the
@@ -188,6 +192,107 @@ def drop_counts(length: int, points: int = 24) -> list[int]:
     if length > 8:
         counts |= {round(8 * (length / 8) ** (i / points)) for i in range(points + 1)}
     return sorted(counts)
+
+
+class _Evicted(Exception):
+    """The DTR simulation cannot fit a run: nothing more can be evicted."""
+
+
+Part = tuple[int, int]
+
+
+class _Dtr:
+    """DTR (Kirisame et al. 2021) over a solver graph; see :func:`dtr_rows`."""
+
+    def __init__(self, sg: SolverGraph, budget_bytes: int, staleness_power: float) -> None:
+        from memplan.remat.moccasin import node_reads
+
+        self.sg, self.budget, self.power = sg, budget_bytes, staleness_power
+        self.reads = node_reads(sg)
+        self.last_reader: dict[Part, int] = {}
+        for j in range(sg.size):
+            for part in self.reads.first[j]:
+                self.last_reader[part] = max(self.last_reader.get(part, -1), j)
+        self.resident: dict[Part, int] = {}
+        self.touched: dict[Part, int] = {}
+        self.live = sg.graph.persistent_bytes
+        self.clock = 0
+        self.rows: list[list[int]] = [[t] for t in range(sg.size)]
+
+    def keep(self, part: Part, size: int) -> None:
+        self.live += size - self.resident.get(part, 0)
+        self.resident[part] = size
+        self.touched[part] = self.clock
+
+    def drop(self, part: Part) -> None:
+        self.live -= self.resident.pop(part)
+
+    def remake(self, k: int, memo: dict[int, float]) -> float:
+        """Cost of making ``k`` again: itself and every evicted value it reads (DTR's e*)."""
+        if k not in memo:
+            memo[k] = self.sg.cost[k]  # guards the recursion; parts come from earlier nodes
+            memo[k] += sum(self.remake(p, memo) for p, q in self.reads.rerun[k] if (p, q) not in self.resident)
+        return memo[k]
+
+    def evict(self, need: int, pinned: set[Part], t: int) -> None:
+        """Evict the lowest ``e* / (bytes * staleness^power)`` until ``need`` more bytes fit."""
+        sg = self.sg
+        while self.live + need > self.budget:
+            candidates = [
+                p for p in self.resident if p not in pinned and sg.limit[p[0]] > t + 1 and sg.recomputable(p[0])
+            ]
+            if not candidates:
+                raise _Evicted
+            memo: dict[int, float] = {}
+
+            def score(part: Part, memo: dict[int, float] = memo) -> float:
+                stale = max(1, self.clock - self.touched[part]) ** self.power
+                return (self.remake(part[0], memo) + 1e-9) / (self.resident[part] * stale)
+
+            self.drop(min(candidates, key=score))
+
+    def run(self, k: int, t: int, wanted: tuple[Part, ...], pinned: set[Part]) -> None:
+        """Run node ``k`` in stage ``t``, first remaking what it reads that was evicted."""
+        sg = self.sg
+        needs = self.reads.first[k] if k == t else self.reads.rerun[k]
+        mine = set(pinned)
+        for part in needs:
+            if part not in self.resident:
+                if not sg.may_run(t, part[0]):
+                    raise _Evicted
+                self.run(part[0], t, (part,), mine)
+            mine.add(part)
+        self.evict(sg.peak_bytes[k], mine, t)
+        self.clock += 1
+        for part in needs:
+            self.touched[part] = self.clock
+        if k != t:
+            self.rows[t].append(k)
+        for q, (b, _) in enumerate(sg.parts[k]):
+            part = (k, q)
+            if b and (part in wanted or (k == t and self.last_reader.get(part, -1) > t)):
+                self.keep(part, b)
+        if k == t:
+            self.live += sg.output_bytes[k]
+
+    def simulate(self) -> list[list[int]] | None:
+        try:
+            for t in range(self.sg.size):
+                self.run(t, t, (), set())
+                for part in [p for p in self.resident if self.last_reader.get(p, -1) <= t]:
+                    self.drop(part)
+        except _Evicted:
+            return None
+        return [sorted(set(r)) for r in self.rows]
+
+
+def dtr_rows(sg: SolverGraph, budget_bytes: int, staleness_power: float = 1.0) -> list[list[int]] | None:
+    """Checkmate's ``R`` from a DTR simulation over ``sg`` (None if some run cannot fit).
+
+    Memory is that of the lowering: a part of a node's outputs is resident from a run of the
+    node until it is evicted or no later first run reads it; a run holds its inputs and its
+    whole peak. Only values whose node may still be re-run are evicted."""
+    return _Dtr(sg, budget_bytes, staleness_power).simulate()
 
 
 def chen_sqrtn_checkpoints(candidates: list[int]) -> set[int]:
@@ -442,6 +547,16 @@ def chen_drop_cheap(problem: RematProblem) -> RematSchedule:
     return _pick(problem, sg, "chen-drop-cheap", candidates)
 
 
+def dtr(problem: RematProblem) -> RematSchedule:
+    """DTR's eviction heuristic with staleness weights 0, 1 and 2 (the cheapest plan wins)."""
+    sg = solver_graph(problem)
+    candidates = [dtr_rows(sg, problem.budget_bytes, power) for power in (0.0, 1.0, 2.0)]
+    if not any(candidates):
+        why = f"dtr: the simulation cannot fit some run within {problem.budget_bytes} B"
+        return RematSchedule("dtr", problem.budget_bytes, [], 0, 0.0, problem.plain_cost, "over-budget", message=why)
+    return _pick(problem, sg, "dtr", candidates)
+
+
 BASELINES: dict[str, Callable[[RematProblem], RematSchedule]] = {
     "checkpoint-all": checkpoint_all,
     "chen-sqrtn": chen_sqrtn,
@@ -452,6 +567,7 @@ BASELINES: dict[str, Callable[[RematProblem], RematSchedule]] = {
     "linearized-sqrtn": linearized_sqrtn,
     "linearized-greedy": linearized_greedy,
     "chen-drop-cheap": chen_drop_cheap,
+    "dtr": dtr,
 }
 
 

@@ -218,11 +218,20 @@ def cost_scale(costs: tuple[float, ...]) -> tuple[list[int], float]:
 
 
 def build_model(
-    sg: SolverGraph, budget_bytes: int, persistent_bytes: int, runs_per_node: int, defer: bool = False
+    sg: SolverGraph,
+    budget_bytes: int,
+    persistent_bytes: int,
+    runs_per_node: int,
+    defer: bool = False,
+    elastic: bool = False,
 ) -> CpModel:
     """Moccasin over ``sg`` (see the module docstring). With ``defer``, a node's first run in
     its own stage is optional too: the node may first run in a later stage (a slot of its
-    re-run window), which moves it later in the order (see :func:`solve_moccasin`)."""
+    re-run window), which moves it later in the order (see :func:`solve_moccasin`).
+
+    ``elastic`` is Moccasin's phase 1: the memory capacity is a variable and the objective is
+    its excess over the budget, so every plan is a solution (checkpoint-all among them) and
+    the search walks from one to a plan within the budget (excess 0, proven optimal)."""
     reads = node_reads(sg)
     events = build_events(sg, reads)
     model = cp_model.CpModel()
@@ -253,13 +262,20 @@ def build_model(
             model.add_bool_or([run.present for run in node_runs])  # every node runs at least once
         runs.append(node_runs)
     intervals, demands = _memory_intervals(model, sg, events, runs, work, unit, horizon)
-    if capacity < 0:
-        model.add_bool_or([])  # the persistent bytes alone exceed the budget
-    model.add_cumulative(intervals, demands, max(0, capacity))
     _precedence(model, reads, runs)
     _runs_do_not_overlap(model, runs)
     costs, cost_unit = cost_scale(sg.cost)
-    model.minimize(sum(costs[k] * run.present for k, node_runs in enumerate(runs) for run in node_runs))
+    if elastic:
+        memory = model.new_int_var(0, sum(demands), "memory")
+        excess = model.new_int_var(0, sum(demands), "excess")
+        model.add(excess >= memory - capacity)
+        model.add_cumulative(intervals, demands, memory)
+        model.minimize(excess)
+    else:
+        if capacity < 0:
+            model.add_bool_or([])  # the persistent bytes alone exceed the budget
+        model.add_cumulative(intervals, demands, max(0, capacity))
+        model.minimize(sum(costs[k] * run.present for k, node_runs in enumerate(runs) for run in node_runs))
     return CpModel(model, events, reads, runs, cost_unit, unit)
 
 
@@ -426,10 +442,16 @@ def solve_moccasin(
     time_limit_seconds: float | None = None,
     gap_limit: float = 0.0,
     defer: bool = False,
+    start_rows: list[list[int]] | None = None,
 ) -> tuple[RematSchedule | None, SolveStatus, dict[str, object]]:
     """Solve Moccasin over ``sg``: the lowered plan (None without one), the solver's status
     (objective and bound in the problem's cost units) and details for the result. The search
     stops once the plan is proven within ``gap_limit`` of the optimum (relative).
+
+    ``hint_rows``: decisions of a plan within the budget, to start from. Without one, phase 1
+    (Moccasin's) first looks for any plan within the budget, starting from ``start_rows`` (a
+    plan over the budget, e.g. the baseline with the lowest peak) or checkpoint-all, in up to
+    :data:`PHASE1_SHARE` of the time.
 
     ``defer`` (joint recomputation and reordering, which Checkmate and Moccasin do not do):
     a node's first run may move to a later stage, i.e. later in the order. The decisions still
@@ -437,23 +459,25 @@ def solve_moccasin(
     since nobody reads it (:func:`memplan.remat.lower.lower`), so the plan runs the node first
     where the model put it."""
     start = time.perf_counter()
+    limit = problem.time_limit_seconds if time_limit_seconds is None else time_limit_seconds
+    details: dict[str, object] = {"formulation": "moccasin", "phase1": None}
+    if hint_rows is None:
+        hint_rows, details["phase1"] = _phase1(problem, sg, start_rows, runs_per_node, limit * PHASE1_SHARE, defer)
     cm = build_model(sg, problem.budget_bytes, problem.graph.persistent_bytes, runs_per_node, defer)
     hinted = add_hints(cm, sg, hint_rows) if hint_rows is not None else False
     built = time.perf_counter() - start
-    limit = problem.time_limit_seconds if time_limit_seconds is None else time_limit_seconds
     # CP-SAT's presolve spends tens of seconds on the larger models for little gain
     parameters: dict[str, object] = {"cp_model_presolve": False, "relative_gap_limit": gap_limit}
     solver, status = solve_cp_sat(cm.model, max(0.05, limit - built), workers=problem.workers, parameters=parameters)
     status = _in_cost_units(status, cm.cost_unit)
-    details: dict[str, object] = {
-        "formulation": "moccasin",
-        "events": cm.events.horizon - 1,
-        "hinted": hinted,
-        "build_seconds": round(built, 3),
-        "scope": f"plans with at most {runs_per_node} runs per node of the {sg.size}-node solver graph"
+    details.update(
+        events=cm.events.horizon - 1,
+        hinted=hinted,
+        build_seconds=round(built, 3),
+        scope=f"plans with at most {runs_per_node} runs per node of the {sg.size}-node solver graph"
         + (", first runs deferrable" if defer else ", first runs in program order"),
-        "bound": status.bound,
-    }
+        bound=status.bound,
+    )
     if status.status not in ("optimal", "feasible"):
         return None, status, details
     rows = rows_from_solution(cm, solver, sg.size)
@@ -461,6 +485,29 @@ def solve_moccasin(
     plan.gap = status.gap
     plan.seconds = time.perf_counter() - start
     return plan, status, details
+
+
+PHASE1_SHARE = 0.5
+"""At most this share of the time goes to finding a first plan within the budget."""
+
+
+def _phase1(
+    problem: RematProblem,
+    sg: SolverGraph,
+    start_rows: list[list[int]] | None,
+    runs_per_node: int,
+    seconds: float,
+    defer: bool,
+) -> tuple[list[list[int]] | None, str]:
+    """Moccasin's phase 1: a plan within the budget (its decisions), or None; and what happened."""
+    cm = build_model(sg, problem.budget_bytes, problem.graph.persistent_bytes, runs_per_node, defer, elastic=True)
+    if start_rows is None or not add_hints(cm, sg, start_rows):
+        add_hints(cm, sg, [[t] for t in range(sg.size)])  # checkpoint-all: always a plan
+    parameters: dict[str, object] = {"cp_model_presolve": False}
+    solver, status = solve_cp_sat(cm.model, max(0.05, seconds), workers=problem.workers, parameters=parameters)
+    found = status.status in ("optimal", "feasible") and status.objective == 0
+    outcome = f"{'found a plan' if found else 'no plan'} in {status.seconds:.1f} s ({status.status})"
+    return (rows_from_solution(cm, solver, sg.size) if found else None), outcome
 
 
 def _in_cost_units(status: SolveStatus, unit: float) -> SolveStatus:

@@ -45,6 +45,23 @@ GAP_LIMIT = 1e-3
 """Stop once the plan is proven within 0.1% of the optimum's compute."""
 CP_SHARE = 0.8
 """The CP model's share of the time left when the MILP runs after it (on what the CP leaves)."""
+BASELINE_SHARE = 0.25
+"""The baselines stop (the rest are skipped) once this share of the time is spent."""
+BASELINE_ORDER = (
+    "checkpoint-all",
+    "chen-drop-cheap",
+    "dtr",
+    "linearized-greedy",
+    "ap-greedy",
+    "chen-greedy",
+    "griewank",
+    "linearized-sqrtn",
+    "ap-sqrtn",
+    "chen-sqrtn",
+)
+"""The baselines, the most useful warm starts first."""
+QUICK_BASELINES = ("checkpoint-all", "chen-drop-cheap", "dtr", "linearized-greedy")
+"""The baselines that warm-start the CP model over a coarsened graph."""
 
 Progress = Callable[[str], None]
 
@@ -60,6 +77,7 @@ def solve_remat(
     formulations: tuple[str, ...] = ("moccasin", "checkmate"),
     runs_per_node: int = RUNS_PER_NODE,
     gap_limit: float = GAP_LIMIT,
+    reorder: bool = False,
     progress: Progress | None = None,
 ) -> RematSchedule:
     """The cheapest plan for ``graph`` within ``budget_bytes`` that the portfolio finds in
@@ -69,7 +87,9 @@ def solve_remat(
     sequence the runtime executes (``("run", op)``, ``("free", tensor)``), ``details["rows"]``
     the decisions (Checkmate's ``R`` over ``details["groups"]``, the solver graph's nodes as
     op ids), ``status`` and ``gap`` as above, ``details["attempts"]`` what each part of the
-    portfolio found. ``cost``/``workspace``: per op, as in :class:`RematProblem`.
+    portfolio found. ``cost``/``workspace``: per op, as in :class:`RematProblem`. ``reorder``:
+    the CP model may run an op first later than program order (joint recomputation and
+    reordering, see :func:`memplan.remat.moccasin.solve_moccasin`).
     """
     start = time.perf_counter()
     report = progress or (lambda _: None)
@@ -87,7 +107,7 @@ def solve_remat(
         op = graph.ops[floor.op].name
         why = f"no plan within {problem.budget_bytes} B: op {op!r} alone needs {floor.bytes} B resident (memory floor)"
         return _no_plan(problem, "infeasible", why, start, {"floor_bytes": floor.bytes})
-    run = _Portfolio(problem, start, gap_limit, report, formulations)
+    run = _Portfolio(problem, start, gap_limit, report, formulations, reorder)
     run.baselines()
     if "moccasin" in formulations and not run.done():
         run.moccasin(runs_per_node)
@@ -100,7 +120,13 @@ class _Portfolio:
     """The state of one :func:`solve_remat` call: the best plan so far and every attempt."""
 
     def __init__(
-        self, problem: RematProblem, start: float, gap_limit: float, report: Progress, formulations: tuple[str, ...]
+        self,
+        problem: RematProblem,
+        start: float,
+        gap_limit: float,
+        report: Progress,
+        formulations: tuple[str, ...],
+        reorder: bool = False,
     ) -> None:
         self.problem, self.start, self.gap_limit, self.report = problem, start, gap_limit, report
         self.formulations = formulations
@@ -112,6 +138,8 @@ class _Portfolio:
         self.proved_optimal = False
         self.cp_nodes = self.whole.size
         self.sg_of: dict[str, SolverGraph] = {}
+        self.lowest: RematSchedule | None = None
+        self.reorder = reorder
 
     def left(self) -> float:
         return self.problem.time_limit_seconds - (time.perf_counter() - self.start)
@@ -148,21 +176,29 @@ class _Portfolio:
         return True
 
     def baselines(self) -> None:
+        """Every baseline, the most useful first, until :data:`BASELINE_SHARE` of the time is spent."""
         self.report("baselines")
-        for name, solve in BASELINES.items():
+        deadline = self.start + BASELINE_SHARE * self.problem.time_limit_seconds
+        for name in BASELINE_ORDER:
+            if time.perf_counter() > deadline:
+                self.attempts.append({"name": name, "status": "skipped", "message": "the baselines' time is spent"})
+                continue
             began = time.perf_counter()
-            plan = solve(self.problem)
+            plan = BASELINES[name](self.problem)
             self.offer(plan, name, self.whole)
+            self.lowest = _lower_peak(self.lowest, plan)
             self.attempts.append(_attempt(name, plan, time.perf_counter() - began, self.whole.size))
 
     def moccasin(self, runs_per_node: int) -> None:
         sg = self.cp_graph()
         self.cp_nodes = sg.size
-        hint = self.hint_for(sg)
+        hint, start_rows = self.hint_for(sg)
         share = self.left() * (CP_SHARE if "checkmate" in self.formulations else 1.0)
         self.report(f"moccasin on {sg.size} nodes ({share:.0f} s)")
         problem = self.problem_for(sg)
-        plan, status, details = solve_moccasin(problem, sg, hint, runs_per_node, share, self.gap_limit)
+        plan, status, details = solve_moccasin(
+            problem, sg, hint, runs_per_node, share, self.gap_limit, self.reorder, start_rows
+        )
         self.attempts.append(
             {**_attempt("moccasin", plan, status.seconds, sg.size), "solver_status": status.status, **details}
         )
@@ -230,14 +266,20 @@ class _Portfolio:
             workspace=self.problem.workspace,
         )
 
-    def hint_for(self, sg: SolverGraph) -> list[list[int]] | None:
-        """The best plan's decisions if they are over ``sg``; else the best baseline's on ``sg``."""
-        if self.best is not None and self._same_graph(sg):
-            return self.best.details["rows"]  # type: ignore[return-value]
+    def hint_for(self, sg: SolverGraph) -> tuple[list[list[int]] | None, list[list[int]] | None]:
+        """Decisions over ``sg`` to start the CP model from: the best plan's (within the budget)
+        and the lowest-peak plan's (for phase 1 when there is no plan yet). Over a coarsened
+        graph, the quick baselines' there."""
+        if sg.groups == self.whole.groups:
+            best = self.best.details["rows"] if self.best is not None and self._same_graph(sg) else None
+            lowest = self.lowest.details.get("rows") if self.lowest is not None else None
+            return best, lowest  # type: ignore[return-value]
         problem = self.problem_for(sg)
-        plans = [solve(problem) for solve in BASELINES.values()]
+        plans = [BASELINES[name](problem) for name in QUICK_BASELINES]
         fits = [p for p in plans if p.feasible]
-        return min(fits, key=lambda p: p.compute_cost).details["rows"] if fits else None  # type: ignore[return-value]
+        best = min(fits, key=lambda p: p.compute_cost) if fits else None
+        lowest = min((p for p in plans if p.steps), key=lambda p: p.peak_bytes, default=None)
+        return (best.details["rows"] if best else None), (lowest.details["rows"] if lowest else None)  # type: ignore[return-value]
 
     def result(self, floor_bytes: int) -> RematSchedule:
         details: dict[str, object] = {
@@ -275,6 +317,13 @@ class _Portfolio:
         if sg is not None:
             plan.details["groups"] = sg.groups
         return plan
+
+
+def _lower_peak(current: RematSchedule | None, plan: RematSchedule) -> RematSchedule | None:
+    """The plan with the lower peak (over budget or not): phase 1's start."""
+    if not plan.steps or "rows" not in plan.details:
+        return current
+    return plan if current is None or plan.peak_bytes < current.peak_bytes else current
 
 
 def _events(sg: SolverGraph) -> int:
