@@ -42,21 +42,28 @@ class _Progress(cp_model.CpSolverSolutionCallback):
         super().__init__()
         self._report = report
         self.last_improvement = time.perf_counter()
+        self.solutions = 0
 
     def on_solution_callback(self) -> None:
         self.last_improvement = time.perf_counter()
+        self.solutions += 1
         if self._report is not None:
             self._report(self.ObjectiveValue(), self.BestObjectiveBound())
 
 
-def _stall_watchdog(solver: cp_model.CpSolver, progress: _Progress, stall_seconds: float) -> threading.Event:
+def _stall_watchdog(
+    solver: cp_model.CpSolver, progress: _Progress, stall_seconds: float, first_only: bool = False
+) -> threading.Event:
     """Stops the search once no better solution has come for ``stall_seconds``: a stalled
     search returns its best solution (status feasible, with its gap) instead of burning the
-    whole time limit."""
+    whole time limit. ``first_only``: only while no solution has come yet (a search that
+    finds no first solution in time gives up, one that found some runs on)."""
     done = threading.Event()
 
     def watch() -> None:
         while not done.wait(min(0.1, stall_seconds / 4)):
+            if first_only and progress.solutions:
+                return
             if time.perf_counter() - progress.last_improvement > stall_seconds:
                 solver.StopSearch()
                 return
@@ -74,11 +81,13 @@ def solve_cp_sat(
     seed: int = 0,
     stall_seconds: float | None = None,
     parameters: dict[str, Any] | None = None,
+    first_solution_seconds: float | None = None,
 ) -> tuple[cp_model.CpSolver, SolveStatus]:
     """Solve ``model`` within ``time_limit_seconds``; return the solver (to read values) and
     the status. ``progress(objective, bound)`` is called on each improving solution; with
     ``stall_seconds`` the search stops once no better solution came for that long;
-    ``parameters`` sets further CP-SAT parameters by name (e.g. ``hint_conflict_limit``)."""
+    ``parameters`` sets further CP-SAT parameters by name (e.g. ``hint_conflict_limit``);
+    with ``first_solution_seconds`` the search stops if it has found no solution by then."""
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.01, float(time_limit_seconds))
     solver.parameters.num_workers = workers
@@ -87,6 +96,8 @@ def solve_cp_sat(
         setattr(solver.parameters, name, value)
     callback = _Progress(progress)
     watchdog = _stall_watchdog(solver, callback, stall_seconds) if stall_seconds else None
+    if first_solution_seconds and not stall_seconds:
+        watchdog = _stall_watchdog(solver, callback, first_solution_seconds, first_only=True)
     start = time.perf_counter()
     try:
         code = solver.Solve(model, callback)

@@ -21,9 +21,9 @@ from memplan.graph.ir import Category, Graph, Op, Tensor, TensorId
 from memplan.remat import STRATEGIES, RematProblem, memory_floor, solve_remat
 from memplan.remat.baselines import BASELINES, checkpoint_all, solver_graph
 from memplan.remat.coarsen import coarsen, identity, refine_rows
-from memplan.remat.lower import InvalidPlan, lower, sequence_peak_bytes, validate_sequence
+from memplan.remat.lower import InvalidPlan, lower, schedule_from_decisions, sequence_peak_bytes, validate_sequence
 from memplan.remat.milp import _finish
-from memplan.remat.moccasin import add_hints, build_model, solve_moccasin
+from memplan.remat.moccasin import _phase1, add_hints, build_model, solve_moccasin
 from memplan.remat.problem import NO_SPLIT, forward_end, run_cost
 from memplan.solvers import solve_cp_sat
 from tests.core.test_remat import _with_flops, fwd_bwd_chain
@@ -350,9 +350,13 @@ def test_phase_one_finds_a_plan_where_no_baseline_fits() -> None:
     top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
     problem = RematProblem(graph, int(top * 0.85), time_limit_seconds=10.0, workers=1, max_solver_nodes=10**6)
     assert not any(solve(problem).feasible for solve in BASELINES.values())
-    plan, status, details = solve_moccasin(problem, solver_graph(problem))
-    assert str(details["phase1"]).startswith("found a plan")
-    assert plan is not None and plan.feasible and status.status == "optimal"
+    sg = solver_graph(problem)
+    rows, outcome = _phase1(problem, sg, None, 2, 10.0, False)  # from checkpoint-all, over the budget
+    assert rows is not None and outcome.startswith("found a plan")
+    plan = schedule_from_decisions(problem, sg, rows, "phase1", "feasible")
+    assert plan.feasible and plan.peak_bytes <= problem.budget_bytes
     validate_sequence(graph, plan.steps)
+    best, status, _ = solve_moccasin(problem, sg, rows)
+    assert best is not None and status.status == "optimal" and best.compute_cost <= plan.compute_cost
     portfolio = solve_remat(graph, problem.budget_bytes, 10.0, workers=1)
-    assert portfolio.status == "optimal" and portfolio.compute_cost == plan.compute_cost
+    assert portfolio.status == "optimal" and portfolio.compute_cost == best.compute_cost

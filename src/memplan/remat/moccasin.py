@@ -259,7 +259,7 @@ def build_model(
                     high = max(low, last_read[k][q] + 1, (events.first(k) if r == 0 else events.latest(k)) + 1)
                     run.ends[q] = model.new_int_var(low, high, f"e{k}_{r}_{q}")
         if not isinstance(first, int):
-            model.add_bool_or([run.present for run in node_runs])  # every node runs at least once
+            model.add(sum(run.present for run in node_runs) >= 1)  # every node runs; linear, for the bound
         runs.append(node_runs)
     intervals, demands = _memory_intervals(model, sg, events, runs, work, unit, horizon)
     _precedence(model, reads, runs)
@@ -448,10 +448,11 @@ def solve_moccasin(
     (objective and bound in the problem's cost units) and details for the result. The search
     stops once the plan is proven within ``gap_limit`` of the optimum (relative).
 
-    ``hint_rows``: decisions of a plan within the budget, to start from. Without one, phase 1
-    (Moccasin's) first looks for any plan within the budget, starting from ``start_rows`` (a
-    plan over the budget, e.g. the baseline with the lowest peak) or checkpoint-all, in up to
-    :data:`PHASE1_SHARE` of the time.
+    ``hint_rows``: decisions of a plan within the budget, to start from. Without one, a
+    search that finds no plan in :data:`FIRST_PLAN_SHARE` of the time stops, and phase 1
+    (Moccasin's) looks for any plan within the budget, starting from ``start_rows`` (a plan
+    over the budget, e.g. the baseline with the lowest peak) or checkpoint-all, in up to
+    :data:`PHASE1_SHARE` of the time left; the model is then solved from that plan.
 
     ``defer`` (joint recomputation and reordering, which Checkmate and Moccasin do not do):
     a node's first run may move to a later stage, i.e. later in the order. The decisions still
@@ -461,19 +462,25 @@ def solve_moccasin(
     start = time.perf_counter()
     limit = problem.time_limit_seconds if time_limit_seconds is None else time_limit_seconds
     details: dict[str, object] = {"formulation": "moccasin", "phase1": None}
-    if hint_rows is None:
-        hint_rows, details["phase1"] = _phase1(problem, sg, start_rows, runs_per_node, limit * PHASE1_SHARE, defer)
     cm = build_model(sg, problem.budget_bytes, problem.graph.persistent_bytes, runs_per_node, defer)
     hinted = add_hints(cm, sg, hint_rows) if hint_rows is not None else False
-    built = time.perf_counter() - start
     # CP-SAT's presolve spends tens of seconds on the larger models for little gain
     parameters: dict[str, object] = {"cp_model_presolve": False, "relative_gap_limit": gap_limit}
-    solver, status = solve_cp_sat(cm.model, max(0.05, limit - built), workers=problem.workers, parameters=parameters)
+    # without a plan to start from, give up on the direct search after a while and look for a
+    # first plan with phase 1 instead
+    stall = None if hinted else FIRST_PLAN_SHARE * limit
+    solver, status = _solve(cm, problem, limit - (time.perf_counter() - start), parameters, stall)
+    if status.status not in ("optimal", "feasible", "infeasible") and not hinted:
+        left = limit - (time.perf_counter() - start)
+        rows, details["phase1"] = _phase1(problem, sg, start_rows, runs_per_node, left * PHASE1_SHARE, defer)
+        if rows is not None:
+            cm = build_model(sg, problem.budget_bytes, problem.graph.persistent_bytes, runs_per_node, defer)
+            hinted = add_hints(cm, sg, rows)
+            solver, status = _solve(cm, problem, limit - (time.perf_counter() - start), parameters, None)
     status = _in_cost_units(status, cm.cost_unit)
     details.update(
         events=cm.events.horizon - 1,
         hinted=hinted,
-        build_seconds=round(built, 3),
         scope=f"plans with at most {runs_per_node} runs per node of the {sg.size}-node solver graph"
         + (", first runs deferrable" if defer else ", first runs in program order"),
         bound=status.bound,
@@ -487,6 +494,16 @@ def solve_moccasin(
     return plan, status, details
 
 
+def _solve(
+    cm: CpModel, problem: RematProblem, seconds: float, parameters: dict[str, object], stall: float | None
+) -> tuple[cp_model.CpSolver, SolveStatus]:
+    return solve_cp_sat(
+        cm.model, max(0.05, seconds), workers=problem.workers, parameters=parameters, first_solution_seconds=stall
+    )
+
+
+FIRST_PLAN_SHARE = 0.25
+"""Without a plan to start from, the direct search gets this share of the time to find one."""
 PHASE1_SHARE = 0.5
 """At most this share of the time goes to finding a first plan within the budget."""
 

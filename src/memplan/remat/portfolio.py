@@ -45,6 +45,10 @@ GAP_LIMIT = 1e-3
 """Stop once the plan is proven within 0.1% of the optimum's compute."""
 CP_SHARE = 0.8
 """The CP model's share of the time left when the MILP runs after it (on what the CP leaves)."""
+MILP_MIN_SECONDS = 8.0
+"""The MILP runs after the CP model only with at least this much time left (it needs seconds to build)."""
+MARGIN_SECONDS = 1.0
+"""Kept back from each solver's time for building and lowering, so that the whole call ends in time."""
 BASELINE_SHARE = 0.25
 """The baselines stop (the rest are skipped) once this share of the time is spent."""
 BASELINE_ORDER = (
@@ -111,7 +115,7 @@ def solve_remat(
     run.baselines()
     if "moccasin" in formulations and not run.done():
         run.moccasin(runs_per_node)
-    if "checkmate" in formulations and not run.done():
+    if "checkmate" in formulations and not run.done() and run.left() >= MILP_MIN_SECONDS:
         run.checkmate()
     return run.result(floor.bytes)
 
@@ -193,7 +197,7 @@ class _Portfolio:
         sg = self.cp_graph()
         self.cp_nodes = sg.size
         hint, start_rows = self.hint_for(sg)
-        share = self.left() * (CP_SHARE if "checkmate" in self.formulations else 1.0)
+        share = self.left() * (CP_SHARE if "checkmate" in self.formulations else 1.0) - MARGIN_SECONDS
         self.report(f"moccasin on {sg.size} nodes ({share:.0f} s)")
         problem = self.problem_for(sg)
         plan, status, details = solve_moccasin(
@@ -214,7 +218,7 @@ class _Portfolio:
             self.problem.graph,
             self.problem.budget_bytes,
             self.problem.cost,
-            time_limit_seconds=max(0.1, self.left()),
+            time_limit_seconds=max(0.1, self.left() - MARGIN_SECONDS),
             workers=self.problem.workers,
             max_solver_nodes=MILP_NODES,
             workspace=self.problem.workspace,
