@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from memplan.graph.generate import random_dag
 from memplan.graph.io import write_graph_json
 from memplan.graph.ir import Category, Graph, Op, Tensor, TensorId
-from memplan.remat import STRATEGIES, RematProblem, memory_floor, solve_remat
+from memplan.remat import STRATEGIES, RematProblem, memory_floor, solve_remat, solve_remat_within_overhead
 from memplan.remat.baselines import BASELINES, checkpoint_all, solver_graph
 from memplan.remat.coarsen import coarsen, identity, refine_rows
 from memplan.remat.lower import InvalidPlan, lower, schedule_from_decisions, sequence_peak_bytes, validate_sequence
@@ -360,3 +360,15 @@ def test_phase_one_finds_a_plan_where_no_baseline_fits() -> None:
     assert best is not None and status.status == "optimal" and best.compute_cost <= plan.compute_cost
     portfolio = solve_remat(graph, problem.budget_bytes, 10.0, workers=1)
     assert portfolio.status == "optimal" and portfolio.compute_cost == best.compute_cost
+
+
+def test_the_lowest_peak_within_a_compute_allowance() -> None:
+    rng = random.Random(7)
+    graph = fwd_bwd_chain([rng.randint(10, 90) for _ in range(8)], [rng.randint(1, 9) for _ in range(8)])
+    top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
+    none = solve_remat_within_overhead(graph, 0.0, 10.0, workers=1)
+    assert none.feasible and none.overhead == 0.0 and none.peak_bytes <= top
+    some = solve_remat_within_overhead(graph, 0.3, 10.0, workers=1)
+    assert some.feasible and some.overhead <= 0.3 and some.peak_bytes < none.peak_bytes
+    validate_sequence(graph, some.steps)
+    assert some.peak_bytes == sequence_peak_bytes(graph, some.steps)

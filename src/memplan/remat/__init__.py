@@ -22,7 +22,7 @@ from memplan.graph.ir import Graph
 from memplan.remat.baselines import BASELINES, require_feasible
 from memplan.remat.lower import InvalidPlan, lower, sequence_peak_bytes, steps_for_order, validate_sequence
 from memplan.remat.milp import SOLVERS, check_solver, solve_checkmate
-from memplan.remat.portfolio import moccasin_strategy, portfolio_strategy, solve_remat
+from memplan.remat.portfolio import moccasin_strategy, portfolio_strategy, solve_remat, solve_remat_within_overhead
 from memplan.remat.problem import RematProblem, RematSchedule, Step, memory_floor
 
 STRATEGIES: dict[str, Callable[[RematProblem], RematSchedule]] = {
@@ -84,6 +84,7 @@ __all__ = [
     "rematerialize",
     "sequence_peak_bytes",
     "solve_remat",
+    "solve_remat_within_overhead",
     "steps_for_order",
     "validate_sequence",
 ]

@@ -5,7 +5,8 @@ The portfolio runs, within one time limit, and keeps the cheapest plan that fits
 1. the **memory floor** (:func:`memplan.remat.problem.memory_floor`): a budget below it has
    no plan, proven, and the answer is "infeasible" at once;
 2. every **baseline** of :mod:`memplan.remat.baselines` on the whole graph (Chen's, Griewank's,
-   AP, linearized, Chen's drop-cheap): plans in a second, and the warm starts of the solvers;
+   AP, linearized, Chen's drop-cheap, DTR), within a share of the time: plans in seconds, and
+   the warm starts of the solvers;
 3. **Moccasin's CP model** (:mod:`memplan.remat.moccasin`) on the whole graph, hinted with the
    best plan so far. Only when the whole model is too big for the time limit is the graph
    coarsened first, and the result says so (``details["nodes_before"]``/``["nodes_after"]``);
@@ -16,9 +17,10 @@ Every candidate is lowered, validated (:func:`memplan.remat.lower.validate_seque
 measured by the one estimator; an invalid one is dropped and noted. The answer has one
 status: "optimal" (a formulation proved its optimum and no plan beats it), "feasible" (a plan
 within the budget, with its gap to the bound of the CP model when there is one),
-"infeasible" (only when the memory floor proves it) or "unknown" (no plan within the time
-limit). The bound and gap speak for the scope named in ``details["scope"]``: plans with at
-most ``runs_per_node`` runs of each node of the solver graph the CP model decided over.
+"infeasible" (only with a proof: the memory floor, or Checkmate's MILP on a graph of one node
+per op) or "unknown" (no plan within the time limit, and no proof that none exists). The
+bound and gap speak for the scope named in ``details["scope"]``: plans with at most
+``runs_per_node`` runs of each node of the solver graph the CP model decided over.
 """
 
 from __future__ import annotations
@@ -109,7 +111,10 @@ def solve_remat(
     floor = memory_floor(problem)
     if problem.budget_bytes < floor.bytes:
         op = graph.ops[floor.op].name
-        why = f"no plan within {problem.budget_bytes} B: op {op!r} alone needs {floor.bytes} B resident (memory floor)"
+        why = (
+            f"no plan within {problem.budget_bytes} B: at op {op!r} at least {floor.bytes} B are resident in any "
+            "plan (memory floor: its inputs and outputs, and values nothing can make again)"
+        )
         return _no_plan(problem, "infeasible", why, start, {"floor_bytes": floor.bytes})
     run = _Portfolio(problem, start, gap_limit, report, formulations, reorder)
     run.baselines()
@@ -382,3 +387,40 @@ def portfolio_strategy(problem: RematProblem) -> RematSchedule:
         workspace=problem.workspace,
         workers=problem.workers,
     )
+
+
+def solve_remat_within_overhead(
+    graph: Graph,
+    max_overhead: float,
+    time_limit_seconds: float = 60.0,
+    *,
+    probes: int = 8,
+    cost: tuple[float, ...] = (),
+    workspace: tuple[int, ...] = (),
+    workers: int = 2,
+    progress: Progress | None = None,
+) -> RematSchedule:
+    """The plan with the lowest peak whose compute overhead is at most ``max_overhead`` (0.1:
+    "at most 10% more compute"), by bisection over the budget between the memory floor and
+    the checkpoint-all peak: ``probes`` calls of :func:`solve_remat`, each with an equal share
+    of the time. The checkpoint-all plan (overhead 0) is the answer when nothing lower fits."""
+    from memplan.remat.baselines import checkpoint_all
+
+    start = time.perf_counter()
+    base = RematProblem(graph, 10**18, cost, workers=workers, max_solver_nodes=WHOLE, workspace=workspace)
+    best = checkpoint_all(base)
+    best.status, best.gap = "optimal", 0.0
+    low, high = memory_floor(base).bytes, best.peak_bytes
+    seconds = time_limit_seconds / max(1, probes)
+    for _ in range(probes):
+        if high - low <= max(1, high // 1000):
+            break
+        budget = (low + high) // 2
+        plan = solve_remat(graph, budget, seconds, cost=cost, workspace=workspace, workers=workers, progress=progress)
+        if plan.feasible and plan.overhead <= max_overhead + 1e-12:
+            best, high = plan, plan.peak_bytes
+        else:
+            low = budget + 1
+    best.seconds = time.perf_counter() - start
+    best.details["max_overhead"] = max_overhead
+    return best
