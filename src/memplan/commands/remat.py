@@ -64,6 +64,14 @@ WorkspaceFlag = Annotated[
         "--workspace", help="Measure each op's kernel scratch by running the step, and plan for it while it runs."
     ),
 ]
+ReorderFlag = Annotated[
+    bool,
+    typer.Option(
+        "--reorder",
+        help="Let the CP model (portfolio, moccasin) run an op first later than program order where that "
+        "saves recomputation (joint recomputation and reordering).",
+    ),
+]
 RunSteps = Annotated[
     int,
     typer.Option(
@@ -97,6 +105,7 @@ def remat(
     cost: CostOption = CostModel.flops,
     workspace: WorkspaceFlag = False,
     solver: SolverOption = SolverName.cp_sat,
+    reorder: ReorderFlag = False,
 ) -> None:
     """Recompute activations to fit a budget (a portfolio of Moccasin's CP model, Checkmate's MILP, baselines)."""
     from memplan.remat import STRATEGIES, memory_floor
@@ -114,7 +123,7 @@ def remat(
     top = checkpoint_all(problem).peak_bytes
     budget_bytes = parse_budget(budget, top)
     problem = problem.with_budget(budget_bytes)
-    plans = solve_plans(problem, names, solver.value)
+    plans = solve_plans(problem, names, solver.value, reorder)
     floor = memory_floor(problem)
     report: dict[str, Any] = {
         "budget_bytes": budget_bytes,
@@ -122,6 +131,7 @@ def remat(
         "checkpoint_all_peak_bytes": top,
         "cost_model": cost.value,
         "workspace": workspace,
+        "reorder": reorder,
         "workspace_bytes_max": max(problem.workspace, default=0),
         "floor_bytes": floor.bytes,
         "strategies": {n: p.summary() for n, p in plans.items()},
@@ -142,7 +152,7 @@ def remat(
     write_json(json_path, report)
 
 
-def solve_plans(problem: Any, names: list[str], solver: str) -> dict[str, Any]:
+def solve_plans(problem: Any, names: list[str], solver: str, reorder: bool = False) -> dict[str, Any]:
     """Each strategy's plan; Checkmate's MILP with ``solver``, warm-started from the best baseline.
     A spinner says which solver runs (they take up to the time limit each)."""
     from memplan.remat.baselines import BASELINES
@@ -156,8 +166,8 @@ def solve_plans(problem: Any, names: list[str], solver: str) -> dict[str, Any]:
             status.update(text)
 
         if solver == "cp-sat" or "checkmate" not in names:
-            return solve_all(problem, names, progress)
-        plans = solve_all(problem, [n for n in names if n != "checkmate"], progress)
+            return solve_all(problem, names, progress, reorder)
+        plans = solve_all(problem, [n for n in names if n != "checkmate"], progress, reorder)
         baselines = {n: plans.get(n) or BASELINES[n](problem) for n in BASELINES}
         fits = [p for p in baselines.values() if p.feasible]
         warm = min(fits, key=lambda p: (p.compute_cost, p.peak_bytes)) if fits else None

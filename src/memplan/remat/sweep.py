@@ -15,11 +15,15 @@ from memplan.remat.problem import RematProblem, RematSchedule
 
 
 def solve_all(
-    problem: RematProblem, strategies: Sequence[str], progress: Callable[[str], None] | None = None
+    problem: RematProblem,
+    strategies: Sequence[str],
+    progress: Callable[[str], None] | None = None,
+    reorder: bool = False,
 ) -> dict[str, RematSchedule]:
     """Run ``strategies`` on one problem: every baseline once, then the solvers. Checkmate's
     MILP is warm-started from the best baseline; the portfolio and Moccasin run their own
-    (:func:`memplan.remat.portfolio.solve_remat`), with ``progress`` told what runs."""
+    (:func:`memplan.remat.portfolio.solve_remat`, ``reorder`` passed on), with ``progress``
+    told what runs."""
     plans = {name: solve(problem) for name, solve in BASELINES.items()}
     if "checkmate" in strategies:
         if progress:
@@ -37,6 +41,7 @@ def solve_all(
                 workspace=problem.workspace,
                 workers=problem.workers,
                 formulations=formulations,
+                reorder=reorder,
                 progress=(lambda text, name=name: progress(f"{name}: {text}")) if progress else None,
             )
             plan.strategy = name
