@@ -157,6 +157,8 @@ def targets(results: list[dict[str, Any]], seconds: float, solvers: list[str]) -
     rows = [row for r in results for row in r["rows"]]
     solves = [(s, row[s]) for row in rows for s in solvers if s != "milp" and s in row]
     slow = [f"{s} {x['seconds']:.0f} s" for s, x in solves if x["seconds"] > seconds + 1]
+    if "portfolio" not in solvers:
+        return _reorder_line(rows, solvers)
     port = [row["portfolio"] for row in rows if "portfolio" in row]
     fits = [p for p in port if p["feasible"]]
     close = [p for p in fits if p["status"] == "optimal" or (p["gap"] is not None and p["gap"] <= 0.01)]
@@ -193,6 +195,11 @@ def targets(results: list[dict[str, Any]], seconds: float, solvers: list[str]) -
             f"- portfolio vs MILP where both have a plan: cheaper at {better}, equal at "
             f"{len(both) - better - worse_milp}, costlier at {worse_milp} of {len(both)}"
         )
+    return lines + _reorder_line(rows, solvers)
+
+
+def _reorder_line(rows: list[dict[str, Any]], solvers: list[str]) -> list[str]:
+    lines = []
     if "cp+reorder" in solvers and "cp" in solvers:
         pairs = [
             (row["cp"], row["cp+reorder"]) for row in rows if row["cp"]["feasible"] or row["cp+reorder"]["feasible"]
@@ -223,11 +230,13 @@ def main() -> None:
     parser.add_argument("--budgets", default=",".join(str(b) for b in BUDGETS))
     parser.add_argument("--time-limit", type=float, default=60.0)
     parser.add_argument("--no-reorder", action="store_true", help="leave out the CP+reorder column")
+    parser.add_argument("--solvers", default=",".join(SOLVERS), help="which columns to solve")
     parser.add_argument("--graphs", default="/tmp/memplan-remat-graphs", help="where the GRAPH.json files go")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "remat_portfolio.md"))
     args = parser.parse_args()
     budgets = [float(b) for b in args.budgets.split(",")]
-    solvers = [s for s in SOLVERS if not (args.no_reorder and s == "cp+reorder")]
+    chosen = set(args.solvers.split(","))
+    solvers = [s for s in SOLVERS if s in chosen and not (args.no_reorder and s == "cp+reorder")]
     out = Path(args.out)
     results = []
     for name, kind, graph in graphs(Path(args.graphs), {s for s in args.only.split(",") if s}):
