@@ -24,20 +24,25 @@ propagators (cumulative) do the memory reasoning. Over the solver graph
   ``budget - persistent bytes``. This is the MILP's ``U`` with its own accounting: inputs
   are resident while a node runs (a retention interval reaches past every read), so a plan
   within the model is within the budget on the real graph (re-measured after lowering);
-* **precedence** (Moccasin's ``x_uv^ij``): each run of ``j`` reads each part of each
-  predecessor ``p`` that holds bytes from a run of ``p`` that started before it and whose
-  interval reaches past it. Parts without bytes (control tokens, view handles) are never
-  freed and need nothing;
-* **objective**: ``min sum_k C_k (runs of k)``, offset by nothing: the plain step's cost is
-  part of it, so the gap is relative to the whole step's compute.
+* **precedence** (Moccasin's ``x_uv^ij``): each run of ``j`` reads each part it needs
+  (:class:`Reads`: what the lowering will run, in-place re-applications included) from a run
+  of its producer that started before it and whose interval reaches past it. Parts without
+  bytes (control tokens, view handles) are never freed and need nothing;
+* **objective**: ``min sum_k C_k (runs of k)``: the plain step's cost is part of it, so the
+  gap is relative to the whole step's compute.
+
+Beyond the paper: phase 1 (Moccasin's, an elastic capacity) runs only when the direct search
+finds no first plan; first runs may be *deferred* to a later stage (``defer``: recomputation
+and reordering decided together); parts and per-run reads follow memplan's lowering.
 
 The answer becomes Checkmate's ``R`` (stage ``t`` runs node ``t`` and the recomputes placed
 in it) and goes through the same lowering and estimator as every other strategy
 (:func:`memplan.remat.lower.schedule_from_decisions`). The search is hinted with a plan's
 ``R`` (a baseline's or the MILP's) where that plan runs no node more than ``C`` times.
 
-The model is exact for plans with at most ``C`` runs per node: its status and bound speak
-for that space (``details["scope"]``), not for plans that recompute a node twice.
+The model is exact for plans with at most ``C`` runs per node (tested against brute force):
+its status and bound speak for that space (``details["scope"]``), not for plans that
+recompute a node more often.
 """
 
 from __future__ import annotations
