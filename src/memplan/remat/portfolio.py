@@ -10,8 +10,12 @@ The portfolio runs, within one time limit, and keeps the cheapest plan that fits
 3. **Moccasin's CP model** (:mod:`memplan.remat.moccasin`) on the whole graph, hinted with the
    best plan so far. Only when the whole model is too big for the time limit is the graph
    coarsened first, and the result says so (``details["nodes_before"]``/``["nodes_after"]``);
-4. **Checkmate's MILP** (:mod:`memplan.remat.milp`) on its coarsened graph, warm-started from
-   the best plan it can read, in the time left, when the CP model has not closed its gap.
+4. **Checkmate's MILP** (:mod:`memplan.remat.milp`), warm-started from the best plan, in the
+   time the CP model leaves when it has not closed its gap: a share of the time on graphs of
+   at most :data:`MILP_NODES` nodes (there the MILP decides over the whole graph, with any
+   number of recomputations, and can prove what the CP model cannot); on larger graphs only
+   what the CP model leaves unused (its model over a coarsened graph seldom beats the CP
+   model over the whole one, measured in ``bench/results/remat_portfolio.md``).
 
 Every candidate is lowered, validated (:func:`memplan.remat.lower.validate_sequence`) and
 measured by the one estimator; an invalid one is dropped and noted. The answer has one
@@ -46,7 +50,7 @@ the graph is coarsened until the model fits (measured on the zoo, 2 cores)."""
 GAP_LIMIT = 1e-3
 """Stop once the plan is proven within 0.1% of the optimum's compute."""
 CP_SHARE = 0.8
-"""The CP model's share of the time left when the MILP runs after it (on what the CP leaves)."""
+"""The CP model's share of the time left on graphs small enough for the MILP to run after it."""
 MILP_MIN_SECONDS = 8.0
 """The MILP runs after the CP model only with at least this much time left (it needs seconds to build)."""
 MARGIN_SECONDS = 1.0
@@ -202,7 +206,8 @@ class _Portfolio:
         sg = self.cp_graph()
         self.cp_nodes = sg.size
         hint, start_rows = self.hint_for(sg)
-        share = self.left() * (CP_SHARE if "checkmate" in self.formulations else 1.0) - MARGIN_SECONDS
+        milp_after = "checkmate" in self.formulations and self.whole.size <= MILP_NODES
+        share = self.left() * (CP_SHARE if milp_after else 1.0) - MARGIN_SECONDS
         self.report(f"moccasin on {sg.size} nodes ({share:.0f} s)")
         problem = self.problem_for(sg)
         plan, status, details = solve_moccasin(
