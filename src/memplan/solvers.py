@@ -110,7 +110,9 @@ def solve_cp_sat(
     if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         objective = solver.ObjectiveValue()
         bound = solver.BestObjectiveBound()
-        gap = 0.0 if code == cp_model.OPTIMAL else _gap(objective, bound)
+        gap = _gap(objective, bound)
+        if code == cp_model.OPTIMAL and gap > 1e-9 and model.has_objective():
+            status = "feasible"  # stopped at a gap limit: CP-SAT says OPTIMAL, nothing proved that
     return solver, SolveStatus(status, objective, bound, gap, seconds)
 
 
