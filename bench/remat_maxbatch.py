@@ -16,8 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from memplan.remat import STRATEGIES
-from memplan.remat.baselines import checkpoint_all
+from memplan.remat.baselines import BASELINES, checkpoint_all
 from memplan.remat.maxbatch import MaxBatch, max_batches
 from memplan.remat.problem import RematProblem
 from memplan.torch.zoo import capture_graph
@@ -25,6 +24,8 @@ from memplan.torch.zoo import capture_graph
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("vgg16", "mobilenet-v2", "unet", "resnet50")
 MIB = 2**20
+STRATEGIES = ("checkmate", *BASELINES)
+"""Checkmate's MILP and the baselines (the portfolio's largest batch: ``memplan remat --max-batch``)."""
 
 
 def budget_of(name: str, batch: int) -> tuple[int, RematProblem]:
@@ -75,7 +76,7 @@ def summarise(name: str, results: dict[str, MaxBatch]) -> str:
     best = max(baselines.values(), default=0)
     leaders = ", ".join(n for n, b in baselines.items() if b == best)
     cm = results["checkmate"]
-    own = cm.plan is not None and cm.plan.status in ("optimal", "feasible")
+    own = cm.plan is not None and cm.plan.details.get("from") == "checkmate"
     return (
         f"- {name}: checkpoint-all {base}, best baseline {best} ({leaders}), checkmate {cm.batch} "
         f"({cm.batch / max(base, 1):.2f}x checkpoint-all; {'its own plan' if own else 'a baseline plan'} there)"

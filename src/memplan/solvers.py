@@ -44,40 +44,40 @@ class _Progress(cp_model.CpSolverSolutionCallback):
         super().__init__()
         self._report = report
         self.last_improvement = time.perf_counter()
+        self.solutions = 0
 
     def on_solution_callback(self) -> None:
         self.last_improvement = time.perf_counter()
+        self.solutions += 1
         if self._report is not None:
             self._report(self.ObjectiveValue(), self.BestObjectiveBound())
 
 
-_STOP: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar("memplan_solver_stop", default=None)
-
-
-@contextlib.contextmanager
-def stopping(event: threading.Event) -> Iterator[None]:
-    """Within this block (in this thread), every solve stops as soon as ``event`` is set, and
-    one started after it is set returns "unknown" at once: how a portfolio running another
-    solver alongside calls off the CP-SAT stages once that solver has the answer."""
-    token = _STOP.set(event)
-    try:
-        yield
-    finally:
-        _STOP.reset(token)
-
-
 def _watchdog(
-    solver: cp_model.CpSolver, progress: _Progress, stall_seconds: float | None, stop: threading.Event | None
+    solver: cp_model.CpSolver,
+    progress: _Progress,
+    stall_seconds: float | None,
+    stop: threading.Event | None,
+    first_only: bool = False,
 ) -> threading.Event:
     """Stops the search once no better solution has come for ``stall_seconds`` (a stalled
     search returns its best solution, status feasible with its gap, instead of burning the
-    whole time limit) or once ``stop`` is set."""
+    whole time limit) or once ``stop`` is set. ``first_only``: the stall rule applies only while
+    no solution has come yet (a search that finds no first solution in time gives up, one that
+    found some runs on)."""
     done = threading.Event()
     poll = 0.05 if stall_seconds is None else min(0.05, stall_seconds / 4)
 
     def watch() -> None:
         while not done.wait(poll):
-            stalled = stall_seconds is not None and time.perf_counter() - progress.last_improvement > stall_seconds
+            if first_only and progress.solutions:
+                stall_seconds_left = None
+            else:
+                stall_seconds_left = stall_seconds
+            stalled = (
+                stall_seconds_left is not None
+                and time.perf_counter() - progress.last_improvement > stall_seconds_left
+            )
             if stalled or (stop is not None and stop.is_set()):
                 solver.StopSearch()
                 return
@@ -95,12 +95,14 @@ def solve_cp_sat(
     seed: int = 0,
     stall_seconds: float | None = None,
     parameters: dict[str, Any] | None = None,
+    first_solution_seconds: float | None = None,
 ) -> tuple[cp_model.CpSolver, SolveStatus]:
     """Solve ``model`` within ``time_limit_seconds``; return the solver (to read values) and
     the status. ``progress(objective, bound)`` is called on each improving solution; with
     ``stall_seconds`` the search stops once no better solution came for that long (and at
     once when the :func:`stopping` event of the calling context is set);
-    ``parameters`` sets further CP-SAT parameters by name (e.g. ``hint_conflict_limit``)."""
+    ``parameters`` sets further CP-SAT parameters by name (e.g. ``hint_conflict_limit``);
+    with ``first_solution_seconds`` the search stops if it has found no solution by then."""
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.01, float(time_limit_seconds))
     solver.parameters.num_workers = workers
@@ -111,7 +113,9 @@ def solve_cp_sat(
     if stop is not None and stop.is_set():
         return solver, SolveStatus("unknown", None, None, None, 0.0)
     callback = _Progress(progress)
-    watchdog = _watchdog(solver, callback, stall_seconds or None, stop) if stall_seconds or stop is not None else None
+    first_only = bool(first_solution_seconds) and not stall_seconds
+    stall = first_solution_seconds if first_only else (stall_seconds or None)
+    watchdog = _watchdog(solver, callback, stall, stop, first_only) if stall or stop is not None else None
     start = time.perf_counter()
     try:
         code = solver.Solve(model, callback)
@@ -124,7 +128,9 @@ def solve_cp_sat(
     if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         objective = solver.ObjectiveValue()
         bound = solver.BestObjectiveBound()
-        gap = 0.0 if code == cp_model.OPTIMAL else _gap(objective, bound)
+        gap = _gap(objective, bound)
+        if code == cp_model.OPTIMAL and gap > 1e-9 and model.has_objective():
+            status = "feasible"  # stopped at a gap limit: CP-SAT says OPTIMAL, nothing proved that
     return solver, SolveStatus(status, objective, bound, gap, seconds)
 
 

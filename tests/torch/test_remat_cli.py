@@ -21,12 +21,12 @@ def test_max_batch_is_at_least_the_batch_that_fits_without_remat(tmp_path: Path)
     report = remat_json(tmp_path, "-b", "8", "--budget", "1", "--max-batch")
     found = report["max_batch"]["strategies"]
     assert found["checkpoint-all"]["batch"] >= 8  # the budget is checkpoint-all's peak at batch 8
-    assert found["checkmate"]["batch"] >= found["checkpoint-all"]["batch"]
-    assert found["checkmate"]["peak_bytes"] <= report["budget_bytes"]
+    assert found["portfolio"]["batch"] >= found["checkpoint-all"]["batch"]
+    assert found["portfolio"]["peak_bytes"] <= report["budget_bytes"]
 
 
 def test_remat_with_profiled_costs_and_workspace(tmp_path: Path) -> None:
     report = remat_json(tmp_path, "-b", "4", "--budget", "1", "--cost", "profile", "--workspace")
     assert report["cost_model"] == "profile" and report["workspace"] is True
-    plan = report["strategies"]["checkmate"]
+    plan = report["strategies"]["portfolio"]
     assert plan["feasible"] and plan["peak_bytes"] <= report["budget_bytes"]

@@ -16,8 +16,15 @@ from memplan.report.format import format_bytes
 from memplan.sources import load_source
 
 Budget = Annotated[str, typer.Option("--budget", help="Bytes (e.g. 2e9), or a fraction of the checkpoint-all peak.")]
-StrategyOption = Annotated[str, typer.Option("--strategy", help="checkmate, a baseline name, or all.")]
-TimeLimit = Annotated[float, typer.Option("--time-limit", min=0.1, help="MILP time limit per solve, seconds.")]
+StrategyOption = Annotated[
+    str,
+    typer.Option(
+        "--strategy",
+        help="portfolio (baselines, Moccasin's CP model and Checkmate's MILP; the best plan), checkmate (the MILP), "
+        "moccasin (the CP model), a baseline name, or all.",
+    ),
+]
+TimeLimit = Annotated[float, typer.Option("--time-limit", min=0.1, help="Time limit per solver and budget, seconds.")]
 SweepOut = Annotated[Path | None, typer.Option("--sweep", help="Also sweep budgets and plot overhead to this PNG.")]
 MaxBatch = Annotated[
     bool,
@@ -57,6 +64,14 @@ WorkspaceFlag = Annotated[
         "--workspace", help="Measure each op's kernel scratch by running the step, and plan for it while it runs."
     ),
 ]
+ReorderFlag = Annotated[
+    bool,
+    typer.Option(
+        "--reorder",
+        help="Let the CP model (portfolio, moccasin) run an op first later than program order where that "
+        "saves recomputation (joint recomputation and reordering).",
+    ),
+]
 RunSteps = Annotated[
     int,
     typer.Option(
@@ -81,7 +96,7 @@ def remat(
     budget: Budget,
     batch_size: BatchSize = 1,
     optimizer: OptimizerOption = OptimizerName.sgd,
-    strategy: StrategyOption = "checkmate",
+    strategy: StrategyOption = "portfolio",
     time_limit: TimeLimit = 60.0,
     json_path: JsonOut = None,
     sweep_png: SweepOut = None,
@@ -90,9 +105,10 @@ def remat(
     cost: CostOption = CostModel.flops,
     workspace: WorkspaceFlag = False,
     solver: SolverOption = SolverName.cp_sat,
+    reorder: ReorderFlag = False,
 ) -> None:
-    """Recompute activations to fit a budget (Checkmate MILP, Chen, Griewank baselines)."""
-    from memplan.remat import STRATEGIES
+    """Recompute activations to fit a budget (a portfolio of Moccasin's CP model, Checkmate's MILP, baselines)."""
+    from memplan.remat import STRATEGIES, memory_floor
     from memplan.remat.baselines import checkpoint_all
     from memplan.remat.milp import check_solver
     from memplan.remat.sweep import plot_sweep, sweep
@@ -107,14 +123,17 @@ def remat(
     top = checkpoint_all(problem).peak_bytes
     budget_bytes = parse_budget(budget, top)
     problem = problem.with_budget(budget_bytes)
-    plans = solve_plans(problem, names, solver.value)
+    plans = solve_plans(problem, names, solver.value, reorder)
+    floor = memory_floor(problem)
     report: dict[str, Any] = {
         "budget_bytes": budget_bytes,
         "solver": solver.value,
         "checkpoint_all_peak_bytes": top,
         "cost_model": cost.value,
         "workspace": workspace,
+        "reorder": reorder,
         "workspace_bytes_max": max(problem.workspace, default=0),
+        "floor_bytes": floor.bytes,
         "strategies": {n: p.summary() for n, p in plans.items()},
     }
     print_plans(report, Console())
@@ -133,18 +152,27 @@ def remat(
     write_json(json_path, report)
 
 
-def solve_plans(problem: Any, names: list[str], solver: str) -> dict[str, Any]:
-    """Each strategy's plan; Checkmate's MILP with ``solver``, warm-started from the best baseline."""
+def solve_plans(problem: Any, names: list[str], solver: str, reorder: bool = False) -> dict[str, Any]:
+    """Each strategy's plan; Checkmate's MILP with ``solver``, warm-started from the best baseline.
+    A spinner says which solver runs (they take up to the time limit each)."""
     from memplan.remat.baselines import BASELINES
     from memplan.remat.milp import solve_checkmate
     from memplan.remat.sweep import solve_all
 
-    if solver == "cp-sat" or "checkmate" not in names:
-        return solve_all(problem, names)
-    plans = solve_all(problem, list(BASELINES))
-    fits = [p for p in plans.values() if p.feasible]
-    warm = min(fits, key=lambda p: (p.compute_cost, p.peak_bytes)) if fits else None
-    plans["checkmate"] = solve_checkmate(problem, warm, solver=solver)
+    console = Console(stderr=True)
+    with console.status("baselines") as status:
+
+        def progress(text: str) -> None:
+            status.update(text)
+
+        if solver == "cp-sat" or "checkmate" not in names:
+            return solve_all(problem, names, progress, reorder)
+        plans = solve_all(problem, [n for n in names if n != "checkmate"], progress, reorder)
+        baselines = {n: plans.get(n) or BASELINES[n](problem) for n in BASELINES}
+        fits = [p for p in baselines.values() if p.feasible]
+        warm = min(fits, key=lambda p: (p.compute_cost, p.peak_bytes)) if fits else None
+        progress(f"checkmate MILP with {solver}")
+        plans["checkmate"] = solve_checkmate(problem, warm, solver=solver)
     return {name: plans[name] for name in names}
 
 
@@ -250,14 +278,26 @@ def print_max_batch(result: dict[str, Any], console: Console) -> None:
 
 def print_plans(report: dict[str, Any], console: Console) -> None:
     table = Table(title=f"remat within {format_bytes(report['budget_bytes'])}")
-    for column in ("strategy", "feasible", "peak", "overhead", "seconds", "status"):
+    for column in ("strategy", "feasible", "peak", "overhead", "gap", "seconds", "status"):
         table.add_column(column)
     for name, s in report["strategies"].items():
         peak = format_bytes(s["peak_bytes"]) if s["peak_bytes"] else "-"
         overhead = f"{100 * s['overhead']:.2f}%" if s["feasible"] else "-"
-        table.add_row(name, "yes" if s["feasible"] else "no", peak, overhead, f"{s['seconds']:.2f}", s["status"])
+        gap = f"{100 * s['gap']:.2f}%" if s.get("gap") is not None else "-"
+        status = s["status"] + (f" ({s['from']})" if s.get("from") not in (None, name) else "")
+        table.add_row(name, "yes" if s["feasible"] else "no", peak, overhead, gap, f"{s['seconds']:.2f}", status)
     console.print(table)
-    for s in report["strategies"].values():
+    for name, s in report["strategies"].items():
+        if "nodes_before" in s and s.get("nodes_after") is not None:
+            if s.get("coarsened"):
+                console.print(
+                    f"{name}: the whole graph has {s['nodes_before']} nodes, too many for the time limit; "
+                    f"the CP model decided over {s['nodes_after']}"
+                )
+            else:
+                console.print(f"{name}: solved on the whole graph ({s['nodes_before']} nodes)")
+        if s.get("scope") and s.get("gap") is not None:
+            console.print(f"{name}: gap relative to the bound for {s['scope']}")
         if not s["feasible"] and s["message"]:
             console.print(s["message"])
 

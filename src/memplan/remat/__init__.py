@@ -1,4 +1,8 @@
-"""Rematerialisation under a memory budget: Checkmate's MILP and Chen's and Griewank's baselines.
+"""Rematerialisation under a memory budget: Checkmate's MILP, Moccasin's CP model, the baselines.
+
+:func:`solve_remat` is the one call for a plan: a portfolio of the baselines, Moccasin's CP
+model (Bartan et al. 2023) on the whole graph and Checkmate's MILP, with one status and gap
+(see :mod:`memplan.remat.portfolio`).
 
 The MILP is solved with OR-Tools CP-SAT, or with HiGHS (``solver="highs"``, optional:
 ``pip install highspy``; it runs in a child process, see :mod:`memplan.remat.highs`).
@@ -18,9 +22,17 @@ from memplan.graph.ir import Graph
 from memplan.remat.baselines import BASELINES, require_feasible
 from memplan.remat.lower import InvalidPlan, lower, sequence_peak_bytes, steps_for_order, validate_sequence
 from memplan.remat.milp import SOLVERS, check_solver, solve_checkmate
-from memplan.remat.problem import RematProblem, RematSchedule, Step
+from memplan.remat.portfolio import moccasin_strategy, portfolio_strategy, solve_remat, solve_remat_within_overhead
+from memplan.remat.problem import RematProblem, RematSchedule, Step, memory_floor
 
-STRATEGIES: dict[str, Callable[[RematProblem], RematSchedule]] = {"checkmate": solve_checkmate, **BASELINES}
+STRATEGIES: dict[str, Callable[[RematProblem], RematSchedule]] = {
+    "portfolio": portfolio_strategy,
+    "checkmate": solve_checkmate,
+    "moccasin": moccasin_strategy,
+    **BASELINES,
+}
+SOLVER_STRATEGIES = ("portfolio", "checkmate", "moccasin")
+"""The strategies that solve (and take the time limit); the rest are the baselines."""
 
 
 def rematerialize(
@@ -61,14 +73,18 @@ def rematerialize(
 
 __all__ = [
     "SOLVERS",
+    "SOLVER_STRATEGIES",
     "STRATEGIES",
     "InvalidPlan",
     "RematProblem",
     "RematSchedule",
     "Step",
     "lower",
+    "memory_floor",
     "rematerialize",
     "sequence_peak_bytes",
+    "solve_remat",
+    "solve_remat_within_overhead",
     "steps_for_order",
     "validate_sequence",
 ]

@@ -12,7 +12,15 @@ the same code (:mod:`memplan.remat.lower`).
 * Griewank revolve (binomial checkpointing, uniform step cost): linear forward graphs only;
 * AP sqrt(n) / AP greedy: Chen on the articulation points of the forward graph (5.1.1);
 * linearized sqrt(n) / linearized greedy: Chen on the forward nodes in topological order
-  (5.1.2); on a linear graph these equal Chen's.
+  (5.1.2); on a linear graph these equal Chen's;
+* DTR (Kirisame et al., "Dynamic Tensor Rematerialization", ICLR 2021): run the graph in
+  program order; when the next run does not fit, evict the resident value with the lowest
+  ``cost / (bytes * staleness)``, and recompute an evicted value (recursively) when it is
+  read. It needs no forward/backward split: the baseline for any graph;
+* Chen drop-cheap (Chen et al. 4.2, "drop the results of low cost operations"): drop the
+  forward values that are cheapest to make per byte (batch norm, activations, pooling; a
+  convolution's output is kept), recompute each once when the backward pass needs it; the
+  share dropped is searched like Chen's B.
 
 In Chen's scheme a segment between checkpoints is recomputed once in the backward pass and
 then kept until its gradients are done (Chen Algorithm 1): here a segment "opens" the first
@@ -158,6 +166,135 @@ def _chen_rows(sg: SolverGraph, checkpoints: set[int]) -> list[list[int]]:
     return rows_for_policy(sg, carry, on_stage=on_stage)
 
 
+def _drop_rows(sg: SolverGraph, dropped: set[int]) -> list[list[int]]:
+    """R for Chen 4.2 (mirror count 1 on ``dropped``): drop them after the forward pass,
+    recompute each when the backward pass first needs it, keep it from then on."""
+    opened: set[int] = set()
+
+    def carry(t: int, i: int) -> bool:
+        return i not in dropped or t + 1 < sg.num_forward or i in opened
+
+    def on_stage(t: int, row: list[int]) -> None:
+        if t >= sg.num_forward:
+            opened.update(i for i in row if i in dropped and i < t)
+
+    return rows_for_policy(sg, carry, on_stage=on_stage)
+
+
+def cheapest_first(sg: SolverGraph, candidates: list[int]) -> list[int]:
+    """Forward nodes by compute per byte kept, cheapest first (Chen 4.2's order of dropping)."""
+    return sorted(candidates, key=lambda k: (sg.cost[k] / sg.out_bytes[k], k))
+
+
+def drop_counts(length: int, points: int = 24) -> list[int]:
+    """How many of the cheapest to drop: 0, every count up to 8, then a geometric grid to all."""
+    counts = set(range(min(length, 8) + 1)) | {length}
+    if length > 8:
+        counts |= {round(8 * (length / 8) ** (i / points)) for i in range(points + 1)}
+    return sorted(counts)
+
+
+class _Evicted(Exception):
+    """The DTR simulation cannot fit a run: nothing more can be evicted."""
+
+
+Part = tuple[int, int]
+
+
+class _Dtr:
+    """DTR (Kirisame et al. 2021) over a solver graph; see :func:`dtr_rows`."""
+
+    def __init__(self, sg: SolverGraph, budget_bytes: int, staleness_power: float) -> None:
+        from memplan.remat.moccasin import node_reads
+
+        self.sg, self.budget, self.power = sg, budget_bytes, staleness_power
+        self.reads = node_reads(sg)
+        self.last_reader: dict[Part, int] = {}
+        for j in range(sg.size):
+            for part in self.reads.first[j]:
+                self.last_reader[part] = max(self.last_reader.get(part, -1), j)
+        self.resident: dict[Part, int] = {}
+        self.touched: dict[Part, int] = {}
+        self.live = sg.graph.persistent_bytes
+        self.clock = 0
+        self.rows: list[list[int]] = [[t] for t in range(sg.size)]
+
+    def keep(self, part: Part, size: int) -> None:
+        self.live += size - self.resident.get(part, 0)
+        self.resident[part] = size
+        self.touched[part] = self.clock
+
+    def drop(self, part: Part) -> None:
+        self.live -= self.resident.pop(part)
+
+    def remake(self, k: int, memo: dict[int, float]) -> float:
+        """Cost of making ``k`` again: itself and every evicted value it reads (DTR's e*)."""
+        if k not in memo:
+            memo[k] = self.sg.cost[k]  # guards the recursion; parts come from earlier nodes
+            memo[k] += sum(self.remake(p, memo) for p, q in self.reads.rerun[k] if (p, q) not in self.resident)
+        return memo[k]
+
+    def evict(self, need: int, pinned: set[Part], t: int) -> None:
+        """Evict the lowest ``e* / (bytes * staleness^power)`` until ``need`` more bytes fit."""
+        sg = self.sg
+        while self.live + need > self.budget:
+            candidates = [
+                p for p in self.resident if p not in pinned and sg.limit[p[0]] > t + 1 and sg.recomputable(p[0])
+            ]
+            if not candidates:
+                raise _Evicted
+            memo: dict[int, float] = {}
+
+            def score(part: Part, memo: dict[int, float] = memo) -> float:
+                stale = max(1, self.clock - self.touched[part]) ** self.power
+                return (self.remake(part[0], memo) + 1e-9) / (self.resident[part] * stale)
+
+            self.drop(min(candidates, key=score))
+
+    def run(self, k: int, t: int, wanted: tuple[Part, ...], pinned: set[Part]) -> None:
+        """Run node ``k`` in stage ``t``, first remaking what it reads that was evicted."""
+        sg = self.sg
+        needs = self.reads.first[k] if k == t else self.reads.rerun[k]
+        mine = set(pinned)
+        for part in needs:
+            if part not in self.resident:
+                if not sg.may_run(t, part[0]):
+                    raise _Evicted
+                self.run(part[0], t, (part,), mine)
+            mine.add(part)
+        self.evict(sg.peak_bytes[k], mine, t)
+        self.clock += 1
+        for part in needs:
+            self.touched[part] = self.clock
+        if k != t:
+            self.rows[t].append(k)
+        for q, (b, _) in enumerate(sg.parts[k]):
+            part = (k, q)
+            if b and (part in wanted or (k == t and self.last_reader.get(part, -1) > t)):
+                self.keep(part, b)
+        if k == t:
+            self.live += sg.output_bytes[k]
+
+    def simulate(self) -> list[list[int]] | None:
+        try:
+            for t in range(self.sg.size):
+                self.run(t, t, (), set())
+                for part in [p for p in self.resident if self.last_reader.get(p, -1) <= t]:
+                    self.drop(part)
+        except _Evicted:
+            return None
+        return [sorted(set(r)) for r in self.rows]
+
+
+def dtr_rows(sg: SolverGraph, budget_bytes: int, staleness_power: float = 1.0) -> list[list[int]] | None:
+    """Checkmate's ``R`` from a DTR simulation over ``sg`` (None if some run cannot fit).
+
+    Memory is that of the lowering: a part of a node's outputs is resident from a run of the
+    node until it is evicted or no later first run reads it; a run holds its inputs and its
+    whole peak. Only values whose node may still be re-run are evicted."""
+    return _Dtr(sg, budget_bytes, staleness_power).simulate()
+
+
 def chen_sqrtn_checkpoints(candidates: list[int]) -> set[int]:
     """Chen 4.3: split into about sqrt(n) segments; checkpoint each segment's last node."""
     if not candidates:
@@ -258,10 +395,28 @@ def _revolve_rows(sg: SolverGraph, slots: int) -> list[list[int]]:
     return rows_for_policy(sg, carry, required)
 
 
-def _pick(problem: RematProblem, sg: SolverGraph, name: str, candidates: list[list[list[int]]]) -> RematSchedule:
+def _attempt(make: Callable[[], list[list[int]]]) -> list[list[int]] | None:
+    """A candidate R, or None where the policy needs a dropped value after its re-run window
+    closed (possible on a split found from the structure, which may reach into the backward)."""
+    try:
+        return make()
+    except InvalidPlan:
+        return None
+
+
+def _pick(problem: RematProblem, sg: SolverGraph, name: str, candidates: list[list[list[int]] | None]) -> RematSchedule:
     """Lower every candidate R; the cheapest within budget wins, else the lowest peak."""
     start = time.perf_counter()
-    plans = [schedule_from_decisions(problem, sg, r, name, "heuristic") for r in candidates]
+    plans = []
+    for rows_ in candidates:
+        try:
+            if rows_ is not None:
+                plans.append(schedule_from_decisions(problem, sg, rows_, name, "heuristic"))
+        except InvalidPlan:
+            continue
+    if not plans:
+        why = f"{name}: every plan it tried needs a dropped value after that value's re-run window closed"
+        return _not_applicable(problem, name, why)
     fits = [p for p in plans if p.peak_bytes <= problem.budget_bytes]
     best = min(fits, key=lambda p: (p.compute_cost, p.peak_bytes)) if fits else min(plans, key=lambda p: p.peak_bytes)
     best.seconds = time.perf_counter() - start
@@ -296,16 +451,34 @@ def checkpoint_all(problem: RematProblem) -> RematSchedule:
     return _pick(problem, sg, "checkpoint-all", [[[t] for t in range(sg.size)]])
 
 
-def _sqrtn(problem: RematProblem, name: str, candidates: list[int]) -> RematSchedule:
+def _without_split(problem: RematProblem, name: str) -> RematSchedule | None:
+    """Not applicable, with the reason, when the graph has no forward/backward split: every
+    baseline drops forward values and recomputes them in the backward pass."""
     sg = solver_graph(problem)
-    return _pick(problem, sg, name, [_chen_rows(sg, chen_sqrtn_checkpoints(candidates))])
+    if sg.has_split:
+        return None
+    if sg.split == "marked loss":
+        return _not_applicable(problem, name, f"{name}: nothing runs after the marked loss (no backward pass)")
+    return _not_applicable(problem, name, f"{name}: {sg.split}")
+
+
+def _sqrtn(problem: RematProblem, name: str, candidates: list[int]) -> RematSchedule:
+    missing = _without_split(problem, name)
+    if missing is not None:
+        return missing
+    sg = solver_graph(problem)
+    return _pick(problem, sg, name, [_attempt(lambda: _chen_rows(sg, chen_sqrtn_checkpoints(candidates)))])
 
 
 def _greedy(problem: RematProblem, name: str, candidates: list[int]) -> RematSchedule:
+    missing = _without_split(problem, name)
+    if missing is not None:
+        return missing
     sg = solver_graph(problem)
     cand = set(candidates)
     sets = {frozenset(chen_greedy_checkpoints(sg, cand, b)[0]) for b in greedy_budget_grid(sg, cand)}
-    return _pick(problem, sg, name, [_chen_rows(sg, set(c)) for c in sorted(sets, key=sorted)])
+    rows_ = [_attempt(lambda c=c: _chen_rows(sg, set(c))) for c in sorted(sets, key=sorted)]
+    return _pick(problem, sg, name, rows_)
 
 
 def _linear_candidates(sg: SolverGraph) -> list[int]:
@@ -322,25 +495,29 @@ _NOT_LINEAR = "{}: the forward graph is not linear (use ap- or linearized-)"
 
 def chen_sqrtn(problem: RematProblem) -> RematSchedule:
     sg = solver_graph(problem)
-    if not is_linear(sg):
+    if sg.has_split and not is_linear(sg):
         return _not_applicable(problem, "chen-sqrtn", _NOT_LINEAR.format("chen-sqrtn"))
     return _sqrtn(problem, "chen-sqrtn", _linear_candidates(sg))
 
 
 def chen_greedy(problem: RematProblem) -> RematSchedule:
     sg = solver_graph(problem)
-    if not is_linear(sg):
+    if sg.has_split and not is_linear(sg):
         return _not_applicable(problem, "chen-greedy", _NOT_LINEAR.format("chen-greedy"))
     return _greedy(problem, "chen-greedy", _linear_candidates(sg))
 
 
 def griewank(problem: RematProblem) -> RematSchedule:
     """Revolve with 1..l slots (the slot count is searched like Chen's B)."""
+    missing = _without_split(problem, "griewank")
+    if missing is not None:
+        return missing
     sg = solver_graph(problem)
     if not is_linear(sg):
         return _not_applicable(problem, "griewank", "griewank: revolve needs a linear forward graph")
     length = len(_linear_candidates(sg))
-    return _pick(problem, sg, "griewank", [_revolve_rows(sg, c) for c in range(1, max(2, length + 1))])
+    rows_ = [_attempt(lambda c=c: _revolve_rows(sg, c)) for c in range(1, max(2, length + 1))]
+    return _pick(problem, sg, "griewank", rows_)
 
 
 def ap_sqrtn(problem: RematProblem) -> RematSchedule:
@@ -359,6 +536,27 @@ def linearized_greedy(problem: RematProblem) -> RematSchedule:
     return _greedy(problem, "linearized-greedy", _linear_candidates(solver_graph(problem)))
 
 
+def chen_drop_cheap(problem: RematProblem) -> RematSchedule:
+    """Chen 4.2: drop the cheapest forward values (per byte), recompute them in the backward."""
+    missing = _without_split(problem, "chen-drop-cheap")
+    if missing is not None:
+        return missing
+    sg = solver_graph(problem)
+    order = cheapest_first(sg, chain_nodes(sg))
+    candidates = [_attempt(lambda m=m: _drop_rows(sg, set(order[:m]))) for m in drop_counts(len(order))]
+    return _pick(problem, sg, "chen-drop-cheap", candidates)
+
+
+def dtr(problem: RematProblem) -> RematSchedule:
+    """DTR's eviction heuristic with staleness weights 0, 1 and 2 (the cheapest plan wins)."""
+    sg = solver_graph(problem)
+    candidates = [dtr_rows(sg, problem.budget_bytes, power) for power in (0.0, 1.0, 2.0)]
+    if not any(candidates):
+        why = f"dtr: the simulation cannot fit some run within {problem.budget_bytes} B"
+        return RematSchedule("dtr", problem.budget_bytes, [], 0, 0.0, problem.plain_cost, "over-budget", message=why)
+    return _pick(problem, sg, "dtr", candidates)
+
+
 BASELINES: dict[str, Callable[[RematProblem], RematSchedule]] = {
     "checkpoint-all": checkpoint_all,
     "chen-sqrtn": chen_sqrtn,
@@ -368,6 +566,8 @@ BASELINES: dict[str, Callable[[RematProblem], RematSchedule]] = {
     "ap-greedy": ap_greedy,
     "linearized-sqrtn": linearized_sqrtn,
     "linearized-greedy": linearized_greedy,
+    "chen-drop-cheap": chen_drop_cheap,
+    "dtr": dtr,
 }
 
 

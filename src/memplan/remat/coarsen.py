@@ -38,8 +38,7 @@ import heapq
 from dataclasses import dataclass
 
 from memplan.graph.ir import Category, Graph
-from memplan.remat.problem import RematProblem, rerun_limits
-from memplan.remat.problem import loss_op as _loss_op
+from memplan.remat.problem import RematProblem, forward_end, rerun_limits
 
 
 @dataclass(frozen=True)
@@ -66,6 +65,13 @@ class SolverGraph:
     parts: tuple[tuple[tuple[int, tuple[int, ...]], ...], ...] = ()
     """``parts[k]``: node ``k``'s outputs read by other nodes, grouped by the set of nodes
     that read them, as ``(bytes, readers)``: each part is kept or freed on its own."""
+    split: str = ""
+    """How the end of the forward pass was found (:func:`memplan.remat.problem.forward_end`),
+    or why there is none (then ``num_forward == size``)."""
+
+    @property
+    def has_split(self) -> bool:
+        return self.num_forward < self.size
 
     @property
     def size(self) -> int:
@@ -86,22 +92,23 @@ def coarsen(problem: RematProblem, max_nodes: int | None = None) -> SolverGraph:
     prologue = [v for v, op in enumerate(graph.ops) if _is_persistent_source(graph, v)]
     rest = [v for v in range(len(graph.ops)) if v not in set(prologue)]
     fixed = _fixed_ops(graph, limits)
-    loss_op = _loss_op(graph)
-    units = _initial_units(graph, rest, fixed, loss_op)
-    units = _merge_units(graph, units, fixed, loss_op, max_nodes or problem.max_solver_nodes)
+    end = forward_end(graph)
+    units = _initial_units(graph, rest, fixed, end.op)
+    units = _merge_units(graph, units, fixed, end.op, max_nodes or problem.max_solver_nodes)
     groups = ([tuple(prologue)] if prologue else []) + [tuple(u) for u in units]
-    return build_solver_graph(problem, groups, limits, loss_op)
+    return build_solver_graph(problem, groups, limits, end.op, end.how)
 
 
 def identity(problem: RematProblem) -> SolverGraph:
     """One node per op, in program order: Checkmate's MILP on the real graph (small graphs)."""
     limits = rerun_limits(problem.graph)
     groups = [(v,) for v in range(len(problem.graph.ops))]
-    return build_solver_graph(problem, groups, limits, _loss_op(problem.graph))
+    end = forward_end(problem.graph)
+    return build_solver_graph(problem, groups, limits, end.op, end.how)
 
 
 def build_solver_graph(
-    problem: RematProblem, groups: list[tuple[int, ...]], limits: list[int], loss_op: int | None
+    problem: RematProblem, groups: list[tuple[int, ...]], limits: list[int], loss_op: int | None, split: str = ""
 ) -> SolverGraph:
     graph = problem.graph
     group_of = [0] * len(graph.ops)
@@ -136,6 +143,7 @@ def build_solver_graph(
         limit,
         num_forward,
         parts,
+        split,
     )
 
 
@@ -271,3 +279,24 @@ def _group_limit(members: tuple[int, ...], k: int, limits: list[int], group_of: 
         return k
     end = min(limits[v] for v in members)
     return group_of[end] if end < len(group_of) else len(set(group_of))
+
+
+def refine_rows(coarse: SolverGraph, fine: SolverGraph, rows: list[list[int]]) -> list[list[int]]:
+    """Checkmate's ``R`` over ``coarse`` as ``R`` over ``fine``, where every coarse node is a
+    run of consecutive fine nodes: a recompute of coarse node ``k`` in stage ``t`` becomes a
+    recompute of each of ``k``'s fine nodes in the stage of ``t``'s first fine node. Both
+    lower to the same op sequence (the lowering runs a node's ops in program order)."""
+    fine_of = [0] * len(fine.graph.ops)
+    for k, members in enumerate(fine.groups):
+        for v in members:
+            fine_of[v] = k
+    spans = [sorted({fine_of[v] for v in members}) for members in coarse.groups]
+    if any(span != list(range(span[0], span[-1] + 1)) for span in spans):
+        raise ValueError("the coarse graph's nodes are not runs of consecutive fine nodes")
+    out: list[list[int]] = [[t] for t in range(fine.size)]
+    for t, row in enumerate(rows):
+        stage = spans[t][0]
+        for k in row:
+            if k != t:
+                out[stage].extend(spans[k])
+    return [sorted(set(r)) for r in out]

@@ -21,8 +21,11 @@ from dataclasses import dataclass, field
 
 from memplan.remat.baselines import BASELINES
 from memplan.remat.milp import solve_checkmate
+from memplan.remat.portfolio import solve_remat
 from memplan.remat.problem import RematProblem, RematSchedule
 
+SOLVERS = ("checkmate", "moccasin", "portfolio")
+"""Strategies whose search starts from the best baseline's batch (they are never worse)."""
 ProblemAt = Callable[[int], RematProblem]
 """``batch -> RematProblem`` at the fixed budget (a capture of the step at that batch)."""
 
@@ -78,6 +81,19 @@ class Probes:
         problem = self.problem(batch)
         if strategy in BASELINES:
             return BASELINES[strategy](problem)
+        if strategy in ("moccasin", "portfolio"):
+            formulations = ("moccasin",) if strategy == "moccasin" else ("moccasin", "checkmate")
+            plan = solve_remat(
+                problem.graph,
+                problem.budget_bytes,
+                problem.time_limit_seconds,
+                cost=problem.cost,
+                workspace=problem.workspace,
+                workers=problem.workers,
+                formulations=formulations,
+            )
+            plan.strategy = strategy
+            return plan
         if strategy != "checkmate":
             raise ValueError(f"unknown strategy {strategy!r}")
         fits = [p for p in (self.plan(name, batch) for name in BASELINES) if p.feasible]
@@ -117,11 +133,11 @@ def max_batches(
     starts from the best baseline's batch. ``seconds``: the time of that strategy's search,
     captures and baseline solves it was the first to need included."""
     probes = Probes(problem_at)
-    ordered = sorted(strategies, key=lambda n: n == "checkmate")
+    ordered = sorted(strategies, key=lambda n: n in SOLVERS)
     results: dict[str, MaxBatch] = {}
     for name in ordered:
         started = time.perf_counter()
-        known = max((r.batch for r in results.values()), default=0) if name == "checkmate" else 0
+        known = max((r.batch for r in results.values()), default=0) if name in SOLVERS else 0
         batch = largest_fitting(lambda b, n=name: probes.fits(n, b), start, limit, known)
         plan = probes.plan(name, batch) if batch else None
         applicable = batch > 0 or probes.plan(name, max(start, 1)).status != "not-applicable"

@@ -63,6 +63,7 @@ class _Model:
     free: dict[tuple[int, int, int], cp_model.IntVar]
     unit_bytes: int
     infeasible: bool = False
+    cost_unit: float = 1.0
 
     def r(self, t: int, i: int) -> Lit:
         return 1 if i == t else self.R.get((t, i), 0)
@@ -114,7 +115,9 @@ def build_model(sg: SolverGraph, budget_bytes: int, persistent_bytes: int) -> _M
         _memory_rows(mm, sg, t, mem, work, budget, constant)
         constant += outputs[t]
     cost_unit = max(max(sg.cost, default=1.0), 1.0) / COST_STEPS
-    mm.model.minimize(sum(max(1, round(sg.cost[i] / cost_unit)) * var for (_, i), var in mm.R.items()))
+    mm.cost_unit = cost_unit
+    plain = sum(max(1, round(c / cost_unit)) for c in sg.cost)  # R[t, t] = 1: every node's first run
+    mm.model.minimize(plain + sum(max(1, round(sg.cost[i] / cost_unit)) * var for (_, i), var in mm.R.items()))
     return mm
 
 
@@ -269,11 +272,13 @@ def solve_checkmate(problem: RematProblem, warm: RematSchedule | None = None, so
     hinted = False
     if warm is not None and "rows" in warm.details:
         hinted = complete_hints(mm, sg, warm.details["rows"], problem.time_limit_seconds / 4)  # type: ignore[arg-type]
+    exact = all(len(members) == 1 for members in sg.groups)
     if mm.infeasible:
-        return _finish(problem, warm, None, "infeasible", None, start, solver)
-    status, rows_ = _solve_model(mm, sg.size, problem, solver)
+        return _finish(problem, warm, None, "infeasible", None, start, solver, exact)
+    left = max(0.1, problem.time_limit_seconds - (time.perf_counter() - start))
+    status, rows_ = _solve_model(mm, sg.size, problem.with_time_limit(left), solver)
     if rows_ is None:
-        return _finish(problem, warm, None, status.status, status.gap, start, solver)
+        return _finish(problem, warm, None, status.status, status.gap, start, solver, exact)
     plan = schedule_from_decisions(problem, sg, rows_, "checkmate", status.status)
     plan.details["hinted"] = hinted
     return _finish(problem, warm, plan, status.status, status.gap, start, solver)
@@ -301,15 +306,29 @@ def _finish(
     gap: float | None,
     start: float,
     solver: str = "cp-sat",
+    exact: bool = False,
 ) -> RematSchedule:
-    """Keep the MILP's plan if it fits and is no costlier than the baseline's, else the baseline's."""
+    """Keep the MILP's plan if it fits and is no costlier than the baseline's, else the baseline's.
+
+    Status words say what was proven: "optimal" / "feasible" (with the solver's gap, relative
+    to the whole step's compute) when there is a plan. Without one, "infeasible" only when
+    the solver proved its model infeasible and the model is ``exact`` (one node per op:
+    Checkmate's memory accounting is then that of the real graph); else "unknown" (time ran
+    out, or a model over grouped ops, whose memory is over-approximated, is infeasible)."""
     use_plan = plan is not None and plan.feasible and (warm is None or plan.compute_cost <= warm.compute_cost)
     if use_plan:
         chosen = plan
+        chosen.details["from"] = "checkmate"
     elif warm is not None:
-        chosen = _copy_as(warm, "optimal" if status == "optimal" else "fallback")
-        chosen.details["solver_status"] = status
+        chosen = _copy_as(warm, "optimal" if status == "optimal" else "feasible")
     else:
+        proven = status == "infeasible" and exact
+        if proven:
+            why = "proven: the model has one node per op, so no plan that keeps program order fits"
+        elif status == "infeasible":
+            why = "its model over grouped ops is infeasible, which is no proof for the real graph"
+        else:
+            why = f"the solver stopped with {status}"
         chosen = RematSchedule(
             "checkmate",
             problem.budget_bytes,
@@ -317,11 +336,11 @@ def _finish(
             0,
             0.0,
             problem.plain_cost,
-            "infeasible",
-            message=f"checkmate: no plan within {problem.budget_bytes} B (solver: {status})",
+            "infeasible" if proven else "unknown",
+            message=f"checkmate: no plan within {problem.budget_bytes} B ({why})",
         )
     chosen.seconds = time.perf_counter() - start
-    chosen.gap = gap
+    chosen.gap = gap if chosen.steps else None
     chosen.details["solver_status"] = status
     chosen.details["solver"] = solver
     return chosen  # type: ignore[return-value]
@@ -336,5 +355,5 @@ def _copy_as(plan: RematSchedule, status: str) -> RematSchedule:
         plan.compute_cost,
         plan.plain_cost,
         status,
-        details={"from": plan.strategy},
+        details={"from": plan.strategy, "rows": plan.details.get("rows")},
     )

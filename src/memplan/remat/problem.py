@@ -147,6 +147,53 @@ def loss_op(graph: Graph) -> int | None:
     return None
 
 
+@dataclass(frozen=True)
+class ForwardEnd:
+    """Where the forward pass ends: ``op`` (None: no split) and ``how`` it was found, or why not."""
+
+    op: int | None
+    how: str
+
+
+NO_SPLIT = (
+    "no forward/backward split: no value made by a re-runnable op is read again after the op right after it, "
+    "so nothing can be dropped and recomputed later"
+)
+
+
+def forward_end(graph: Graph) -> ForwardEnd:
+    """The loss op when the graph marks it (an output of the step); else found from the
+    graph's structure, as Checkmate's baselines need for any graph (its own graphs come with
+    their forward nodes): the point of program order where the most bytes are *kept for
+    later*, i.e. made by re-runnable ops before it and read again by re-runnable ops after
+    it, not right after being made (the last such op where several tie). In a training step
+    that is where the forward pass ends (every saved activation waits for its backward op);
+    gradients waiting for a run-once optimizer update do not count. A graph where no such
+    value exists has no split."""
+    marked = loss_op(graph)
+    if marked is not None:
+        return ForwardEnd(marked, "marked loss")
+    limits = rerun_limits(graph)
+    n = len(graph.ops)
+    change = [0] * (n + 1)
+    for t, tensor in enumerate(graph.tensors):
+        u = graph.producer[t]
+        if tensor.persistent or tensor.size_bytes == 0 or u < 0 or limits[u] <= u:
+            continue
+        last = max((c for c in graph.consumers[t] if limits[c] > c), default=-1)
+        if last > u + 1:
+            change[u] += tensor.size_bytes
+            change[last] -= tensor.size_bytes
+    best_bytes, best_op, kept = 0, None, 0
+    for v in range(n):
+        kept += change[v]
+        if kept >= best_bytes and kept > 0:  # the last op of the highest plateau
+            best_bytes, best_op = kept, v
+    if best_op is None:
+        return ForwardEnd(None, NO_SPLIT)
+    return ForwardEnd(best_op, f"structure ({best_bytes} B kept for later at op {graph.ops[best_op].name!r})")
+
+
 def default_costs(graph: Graph) -> tuple[float, ...]:
     """Checkmate 4.9's additive cost model with ``Op.flops`` as ``C_i``."""
     return tuple(float(op.flops) for op in graph.ops)
@@ -186,11 +233,14 @@ class RematProblem:
     def with_budget(self, budget_bytes: int) -> RematProblem:
         return replace(self, budget_bytes=int(budget_bytes))
 
+    def with_time_limit(self, seconds: float) -> RematProblem:
+        return replace(self, time_limit_seconds=float(seconds))
+
     @property
     def forward_fraction(self) -> float:
         """Cost of the forward pass (up to the loss) over the cost of the whole step: the
         overhead of one extra forward pass (Checkmate 6.3's limit for the largest batch)."""
-        loss = loss_op(self.graph)
+        loss = forward_end(self.graph).op
         if loss is None or self.plain_cost <= 0:
             return 1.0
         return float(sum(self.cost[: loss + 1])) / self.plain_cost
@@ -200,9 +250,13 @@ class RematProblem:
 class RematSchedule:
     """One strategy's answer. ``overhead = (compute_cost - plain cost) / plain cost``.
 
-    ``status``: "optimal" | "feasible" (a solver's own answer), "heuristic" (a baseline),
-    "fallback" (the MILP found nothing better than the best baseline, whose plan this is),
-    "over-budget" (a plan exists but exceeds the budget), "not-applicable", "infeasible".
+    ``status`` says what was proven. A solver ("checkmate", "moccasin", "portfolio"):
+    "optimal", "feasible" (a plan within the budget; ``gap`` is its distance to the solver's
+    bound, relative to the whole step's compute), "infeasible" (proven: no plan exists, see
+    :func:`memplan.remat.problem.memory_floor`), "unknown" (no plan found in the time limit;
+    plans may exist). A baseline: "heuristic" (its plan), "over-budget" (its plans exceed the
+    budget), "not-applicable" (with the reason in ``message``). ``details["from"]``: which
+    strategy made the plan a solver returns (a baseline's, when the solver found no cheaper).
     """
 
     strategy: str
@@ -229,7 +283,7 @@ class RematSchedule:
 
     def summary(self) -> dict[str, object]:
         """The per-strategy JSON of ``memplan remat``."""
-        return {
+        out: dict[str, object] = {
             "feasible": self.feasible,
             "peak_bytes": self.peak_bytes if self.steps else None,
             "overhead": round(self.overhead, 6) if self.feasible else None,
@@ -238,11 +292,70 @@ class RematSchedule:
             "gap": self.gap,
             "message": self.message,
         }
+        for key in ("from", "scope", "nodes_before", "nodes_after", "coarsened", "solver_status", "floor_bytes"):
+            if key in self.details:
+                out[key] = self.details[key]
+        if "attempts" in self.details:
+            out["attempts"] = self.details["attempts"]
+        return out
 
 
-_NOT_A_PLAN = frozenset({"over-budget", "not-applicable", "infeasible"})
+_NOT_A_PLAN = frozenset({"over-budget", "not-applicable", "infeasible", "unknown"})
 
 
 def run_cost(cost: Sequence[float], steps: Sequence[Step]) -> float:
     """Total cost of the runs in ``steps`` (Checkmate objective, 4.3)."""
     return float(sum(cost[i] for kind, i in steps if kind == "run"))
+
+
+@dataclass(frozen=True)
+class MemoryFloor:
+    """A lower bound on the peak of every plan memplan can make (first runs in program order,
+    any recomputation): at ``op``'s first run, ``bytes`` are resident whatever is recomputed."""
+
+    bytes: int
+    op: int
+
+
+def memory_floor(problem: RematProblem) -> MemoryFloor:
+    """The largest, over ops ``v``, of what must be resident at ``v``'s first run.
+
+    That is the persistent bytes, ``v``'s workspace, its inputs and outputs, the outputs of
+    the step made before it (kept to the end), and every tensor made before ``v`` by an op
+    that may no longer run again at ``v`` (run-once ops, or ops whose re-run window closed:
+    :func:`rerun_limits`) and read after ``v``: nothing can make that tensor again, so it is
+    resident from its only instance to its last read. A budget below the floor has no plan:
+    this is the proof behind the status "infeasible".
+    """
+    graph = problem.graph
+    n = len(graph.ops)
+    limits = rerun_limits(graph)
+    forced = [0] * (n + 1)
+    forced_at: list[list[tuple[int, int]]] = [[] for _ in range(n + 1)]  # (from, to) per tensor, by start
+    for t, tensor in enumerate(graph.tensors):
+        u = graph.producer[t]
+        if tensor.persistent or tensor.size_bytes == 0 or u < 0:
+            continue
+        if tensor.category is Category.OUTPUT:
+            begin, end = u + 1, n
+        else:
+            last = max(graph.consumers[t], default=-1)
+            begin, end = max(u + 1, limits[u]), last
+        if begin < end:
+            forced[begin] += tensor.size_bytes
+            forced[end] -= tensor.size_bytes
+            forced_at[begin].append((t, end))
+    best = MemoryFloor(graph.persistent_bytes, 0)
+    resident = 0
+    intervals: dict[int, int] = {}
+    for v, op in enumerate(graph.ops):
+        resident += forced[v]
+        for t, end in forced_at[v]:
+            intervals[t] = end
+        own = {t for t in (*op.inputs, *op.outputs) if not graph.tensors[t].persistent}
+        extra = sum(graph.tensors[t].size_bytes for t in own if not (t in intervals and intervals[t] > v))
+        scratch = problem.workspace[v] if problem.workspace else 0
+        need = graph.persistent_bytes + resident + extra + scratch
+        if need > best.bytes:
+            best = MemoryFloor(need, v)
+    return best

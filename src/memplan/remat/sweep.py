@@ -10,16 +10,42 @@ from typing import Any
 from memplan.graph.ir import Graph
 from memplan.remat.baselines import BASELINES, checkpoint_all
 from memplan.remat.milp import solve_checkmate
+from memplan.remat.portfolio import solve_remat
 from memplan.remat.problem import RematProblem, RematSchedule
 
 
-def solve_all(problem: RematProblem, strategies: Sequence[str]) -> dict[str, RematSchedule]:
-    """Run ``strategies`` on one problem; Checkmate is warm-started from the best baseline."""
+def solve_all(
+    problem: RematProblem,
+    strategies: Sequence[str],
+    progress: Callable[[str], None] | None = None,
+    reorder: bool = False,
+) -> dict[str, RematSchedule]:
+    """Run ``strategies`` on one problem: every baseline once, then the solvers. Checkmate's
+    MILP is warm-started from the best baseline; the portfolio and Moccasin run their own
+    (:func:`memplan.remat.portfolio.solve_remat`, ``reorder`` passed on), with ``progress``
+    told what runs."""
     plans = {name: solve(problem) for name, solve in BASELINES.items()}
     if "checkmate" in strategies:
+        if progress:
+            progress(f"checkmate MILP ({problem.time_limit_seconds:g} s)")
         fits = [p for p in plans.values() if p.feasible]
         warm = min(fits, key=lambda p: (p.compute_cost, p.peak_bytes)) if fits else None
         plans["checkmate"] = solve_checkmate(problem, warm)
+    for name, formulations in (("moccasin", ("moccasin",)), ("portfolio", ("moccasin", "checkmate"))):
+        if name in strategies:
+            plan = solve_remat(
+                problem.graph,
+                problem.budget_bytes,
+                problem.time_limit_seconds,
+                cost=problem.cost,
+                workspace=problem.workspace,
+                workers=problem.workers,
+                formulations=formulations,
+                reorder=reorder,
+                progress=(lambda text, name=name: progress(f"{name}: {text}")) if progress else None,
+            )
+            plan.strategy = name
+            plans[name] = plan
     return {name: plans[name] for name in strategies}
 
 
@@ -75,8 +101,8 @@ def plot_sweep(results: Sequence[dict[str, Any]], path: str | Path, title: str =
         ]
         if points:
             xs, ys = zip(*points, strict=True)
-            style = "-o" if name == "checkmate" else "--."
-            ax.plot(xs, [1 + y for y in ys], style, label=name, linewidth=2 if name == "checkmate" else 1)
+            solver = name in ("checkmate", "moccasin", "portfolio")
+            ax.plot(xs, [1 + y for y in ys], "-o" if solver else "--.", label=name, linewidth=2 if solver else 1)
     ax.set_xlabel("budget (MiB)")
     ax.set_ylabel("compute cost / plain step")
     ax.set_title(title)

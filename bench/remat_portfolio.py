@@ -1,0 +1,273 @@
+"""Rematerialisation on whole graphs: Checkmate's MILP, Moccasin's CP model and the portfolio.
+
+Graphs: the zoo's training steps (batch 32, SGD) as memplan captures them, the same steps as
+GRAPH.json files without memplan's marks, and random layered DAGs as GRAPH.json files (both
+written by ``bench/remat_graphs.py``). Budgets: fractions of the checkpoint-all peak. Per
+budget and solver: the compute overhead, the status, the gap and the seconds.
+
+* MILP: ``memplan remat --strategy checkmate`` as it was before the portfolio: Checkmate's
+  MILP on a graph coarsened to 200 nodes, warm-started from the best baseline there;
+* CP: ``--strategy moccasin``: the baselines, then Moccasin's CP model on the whole graph;
+* portfolio: ``--strategy portfolio`` (the default): the baselines, the CP model, the MILP;
+* CP+reorder: the CP model that may also run an op first later than program order.
+
+Regenerate: ``python bench/remat_portfolio.py`` (writes bench/results/remat_portfolio.md and
+.json; about two hours on 2 cores). Options: ``--only vgg16,layered-n100 --budgets 0.9,0.8
+--time-limit 60 --no-reorder --graphs DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from memplan.graph.io import read_graph_json
+from memplan.graph.ir import Graph
+from memplan.remat import solve_remat
+from memplan.remat.baselines import BASELINES, checkpoint_all
+from memplan.remat.milp import solve_checkmate
+from memplan.remat.problem import RematProblem, RematSchedule, memory_floor
+from remat_graphs import LAYERED, ZOO, write_all
+
+ROOT = Path(__file__).resolve().parent.parent
+BUDGETS = (0.9, 0.8, 0.7, 0.6)
+SOLVERS = ("milp", "cp", "portfolio", "cp+reorder")
+
+
+def graphs(directory: Path, only: set[str]) -> list[tuple[str, str, Graph]]:
+    """(name, kind, graph): the zoo as captured, then the GRAPH.json files."""
+    from memplan.torch.zoo import capture_graph
+
+    out = []
+    paths = {p.stem: p for p in write_all(directory)}
+    for name in ZOO:
+        if not only or name in only:
+            out.append((name, "zoo (marked)", capture_graph(name, batch_size=32, mode="train", optimizer="sgd")))
+    for name in ZOO:
+        stem = f"{name}-b32-nomarks"
+        if not only or stem in only or f"{name}-nomarks" in only:
+            out.append((f"{name} (no marks)", "GRAPH.json, no marks", read_graph_json(paths[stem])))
+    for nodes, seed in LAYERED:
+        stem = f"layered-n{nodes}-s{seed}"
+        if not only or stem in only or f"layered-n{nodes}" in only:
+            out.append((stem, "GRAPH.json, random layered DAG", read_graph_json(paths[stem])))
+    return out
+
+
+def solve(kind: str, graph: Graph, budget: int, seconds: float) -> RematSchedule:
+    if kind == "milp":
+        return solve_checkmate(RematProblem(graph, budget, time_limit_seconds=seconds, max_solver_nodes=200))
+    formulations = ("moccasin", "checkmate") if kind == "portfolio" else ("moccasin",)
+    return solve_remat(graph, budget, seconds, formulations=formulations, reorder=kind == "cp+reorder")
+
+
+def summary(plan: RematSchedule) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "feasible": plan.feasible,
+        "overhead": plan.overhead if plan.feasible else None,
+        "cost": plan.compute_cost if plan.feasible else None,
+        "status": plan.status,
+        "gap": plan.gap,
+        "seconds": round(plan.seconds, 2),
+        "from": plan.details.get("from"),
+        "message": plan.message,
+    }
+    for key in ("nodes_before", "nodes_after", "coarsened"):
+        if key in plan.details:
+            out[key] = plan.details[key]
+    return out
+
+
+def run_graph(name: str, kind: str, graph: Graph, budgets: list[float], seconds: float, solvers: list[str]) -> dict:
+    base = RematProblem(graph, 10**18, max_solver_nodes=10**9)
+    top = checkpoint_all(base).peak_bytes
+    floor = memory_floor(base).bytes
+    rows = []
+    for fraction in budgets:
+        budget = int(top * fraction)
+        problem = base.with_budget(budget)
+        began = time.perf_counter()
+        plans = {n: s(problem) for n, s in BASELINES.items()}
+        fits = {n: p for n, p in plans.items() if p.feasible}
+        best = min(fits, key=lambda n: fits[n].compute_cost) if fits else None
+        row: dict[str, Any] = {
+            "fraction": fraction,
+            "budget_bytes": budget,
+            "baselines_seconds": round(time.perf_counter() - began, 2),
+            "best_baseline": best,
+            "best_baseline_overhead": fits[best].overhead if best else None,
+            "best_baseline_cost": fits[best].compute_cost if best else None,
+        }
+        for solver in solvers:
+            row[solver] = summary(solve(solver, graph, budget, seconds))
+            print(f"  {name} {fraction}: {solver} {cell(row[solver])}", flush=True)
+        rows.append(row)
+    units = RematProblem(graph, 0, max_solver_nodes=10**9)
+    from memplan.remat.coarsen import coarsen
+
+    return {
+        "name": name,
+        "kind": kind,
+        "ops": graph.num_ops,
+        "nodes": coarsen(units, 10**9).size,
+        "top_bytes": top,
+        "floor_bytes": floor,
+        "rows": rows,
+    }
+
+
+def cell(s: dict[str, Any] | None) -> str:
+    if s is None:
+        return "-"
+    if not s["feasible"]:
+        why = "floor" if "memory floor" in (s.get("message") or "") else ""
+        return f"— {s['status']}{' (' + why + ')' if why else ''} · {s['seconds']:.0f} s"
+    gap = "" if s["status"] == "optimal" or s["gap"] is None else f" gap {100 * s['gap']:.2f}%"
+    return f"{100 * s['overhead']:.2f}% · {s['status']}{gap} · {s['seconds']:.1f} s"
+
+
+def table(result: dict[str, Any], solvers: list[str]) -> list[str]:
+    nodes = result["nodes"]
+    lines = [
+        f"### {result['name']}: {result['kind']}, {result['ops']} ops, {nodes} nodes (whole graph), "
+        f"checkpoint-all peak {result['top_bytes'] / 2**20:.1f} MiB, memory floor "
+        f"{result['floor_bytes'] / result['top_bytes']:.2f} of it",
+        "",
+        "| budget | best baseline | " + " | ".join(solvers) + " | portfolio's plan from (nodes) |",
+        "|---" * (len(solvers) + 3) + "|",
+    ]
+    for row in result["rows"]:
+        best = row["best_baseline"]
+        baseline = f"{100 * row['best_baseline_overhead']:.2f}% ({best})" if best else "—"
+        port = row.get("portfolio") or {}
+        source = f"{port.get('from') or '-'} ({port.get('nodes_after', '-')}/{port.get('nodes_before', '-')})"
+        cells = " | ".join(cell(row.get(s)) for s in solvers)
+        lines.append(
+            f"| {row['fraction']:.2f} ({row['budget_bytes'] / 2**20:.1f} MiB) | {baseline} | {cells} | {source} |"
+        )
+    return [*lines, ""]
+
+
+def targets(results: list[dict[str, Any]], seconds: float, solvers: list[str]) -> list[str]:
+    rows = [row for r in results for row in r["rows"]]
+    solves = [(s, row[s]) for row in rows for s in solvers if s != "milp" and s in row]
+    slow = [f"{s} {x['seconds']:.0f} s" for s, x in solves if x["seconds"] > seconds + 1]
+    if "portfolio" not in solvers:
+        return _reorder_line(rows, solvers)
+    port = [row["portfolio"] for row in rows if "portfolio" in row]
+    fits = [p for p in port if p["feasible"]]
+    close = [p for p in fits if p["status"] == "optimal" or (p["gap"] is not None and p["gap"] <= 0.01)]
+    bounded = [p for p in fits if p["gap"] is not None]
+    worse = [row for row in rows if row.get("best_baseline_cost") and not _not_worse(row)]
+    speed = [
+        row["milp"]["seconds"] / max(row["portfolio"]["seconds"], 1e-3)
+        for row in rows
+        if "milp" in row and "portfolio" in row and row["milp"]["feasible"] and row["portfolio"]["feasible"]
+    ]
+    exists = [row for row in rows if _someone_fits(row, solvers)]
+    missing = [row for row in exists if not row["portfolio"]["feasible"]]
+    unknown = [row for row in rows if not _someone_fits(row, solvers) and row["portfolio"]["status"] == "unknown"]
+    proven = [row for row in rows if row["portfolio"]["status"] == "infeasible"]
+    lines = [
+        f"- solves (CP, portfolio, CP+reorder) within the {seconds:g} s limit (+1 s): "
+        f"{len(solves) - len(slow)}/{len(solves)}" + (f"; over: {', '.join(slow)}" if slow else ""),
+        f"- portfolio optimal or proven within 1% of compute: {len(close)}/{len(fits)} plans "
+        f"({len(bounded)} with a bound)",
+        f"- portfolio never worse than the best baseline: {len(rows) - len(worse)}/{len(rows)} budgets",
+        f"- portfolio faster than the MILP where both have a plan: median {statistics.median(speed):.1f}x, "
+        f"min {min(speed):.1f}x, >= 5x at {sum(s >= 5 for s in speed)}/{len(speed)}"
+        if speed
+        else "- no budget where both the MILP and the portfolio have a plan",
+        f"- a plan at every budget where some method found one: {len(exists) - len(missing)}/{len(exists)}; "
+        f"proven infeasible (memory floor or exact MILP): {len(proven)}; no plan and no proof (unknown): "
+        f"{len(unknown)}",
+    ]
+    if "milp" in solvers:
+        both = [row for row in rows if row["milp"]["feasible"] and row["portfolio"]["feasible"]]
+        better = sum(row["portfolio"]["cost"] < row["milp"]["cost"] * (1 - 1e-9) for row in both)
+        worse_milp = sum(row["portfolio"]["cost"] > row["milp"]["cost"] * (1 + 1e-9) for row in both)
+        lines.append(
+            f"- portfolio vs MILP where both have a plan: cheaper at {better}, equal at "
+            f"{len(both) - better - worse_milp}, costlier at {worse_milp} of {len(both)}"
+        )
+    return lines + _reorder_line(rows, solvers)
+
+
+def _reorder_line(rows: list[dict[str, Any]], solvers: list[str]) -> list[str]:
+    lines = []
+    if "cp+reorder" in solvers and "cp" in solvers:
+        pairs = [
+            (row["cp"], row["cp+reorder"]) for row in rows if row["cp"]["feasible"] or row["cp+reorder"]["feasible"]
+        ]
+        gained = [b for a, b in pairs if b["feasible"] and (not a["feasible"] or b["cost"] < a["cost"] * (1 - 1e-9))]
+        lost = [b for a, b in pairs if a["feasible"] and (not b["feasible"] or b["cost"] > a["cost"] * (1 + 1e-9))]
+        drops = [100 * (a["overhead"] - b["overhead"]) for a, b in pairs if a["feasible"] and b["feasible"]]
+        mean = f"{statistics.mean(drops):+.3f}" if drops else "n/a"
+        lines.append(
+            f"- joint reordering (CP+reorder vs CP, same budget and time): better at {len(gained)}, worse at "
+            f"{len(lost)} of {len(pairs)}; mean overhead change {mean} points (positive: reordering saves compute)"
+        )
+    return lines
+
+
+def _not_worse(row: dict[str, Any]) -> bool:
+    port = row["portfolio"]
+    return port["feasible"] and port["cost"] <= row["best_baseline_cost"] * (1 + 1e-12)
+
+
+def _someone_fits(row: dict[str, Any], solvers: list[str]) -> bool:
+    return bool(row.get("best_baseline")) or any(row[s]["feasible"] for s in solvers if s in row)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="", help="comma-separated graph names (default: all)")
+    parser.add_argument("--budgets", default=",".join(str(b) for b in BUDGETS))
+    parser.add_argument("--time-limit", type=float, default=60.0)
+    parser.add_argument("--no-reorder", action="store_true", help="leave out the CP+reorder column")
+    parser.add_argument("--solvers", default=",".join(SOLVERS), help="which columns to solve")
+    parser.add_argument("--graphs", default="/tmp/memplan-remat-graphs", help="where the GRAPH.json files go")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "remat_portfolio.md"))
+    args = parser.parse_args()
+    budgets = [float(b) for b in args.budgets.split(",")]
+    chosen = set(args.solvers.split(","))
+    solvers = [s for s in SOLVERS if s in chosen and not (args.no_reorder and s == "cp+reorder")]
+    out = Path(args.out)
+    results = []
+    for name, kind, graph in graphs(Path(args.graphs), {s for s in args.only.split(",") if s}):
+        print(f"{name} ({graph.num_ops} ops) ...", flush=True)
+        results.append(run_graph(name, kind, graph, budgets, args.time_limit, solvers))
+        out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    command = "python bench/remat_portfolio.py " + " ".join(sys.argv[1:])
+    lines = [
+        "# Rematerialisation on whole graphs: MILP, CP model, portfolio",
+        "",
+        f"Regenerate: `{command.strip()}` (2-core CPU machine; the graphs are written by "
+        "`python bench/remat_graphs.py`). Cells: compute overhead over one plain step (cost = FLOPs, "
+        "layered DAGs: their durations) · status · gap to the solver's bound (relative to the whole "
+        "step's compute) · seconds. Budgets are fractions of the checkpoint-all peak; '—' = no plan. "
+        "MILP = Checkmate's MILP on a graph coarsened to 200 nodes (memplan before the portfolio); CP = "
+        "the baselines, then Moccasin's CP model on the whole graph; portfolio = baselines, CP model, "
+        "MILP; CP+reorder = the CP model that may also run ops first later than program order. Gaps and "
+        "'optimal' are relative to each solver's own model (CP: at most 2 runs per node; MILP: its "
+        "coarsened graph). Timings were taken on a shared machine: rerun on a quiet one.",
+        "",
+        "## Targets",
+        "",
+        *targets(results, args.time_limit, solvers),
+        "",
+    ]
+    for result in results:
+        lines += table(result, solvers)
+    out.write_text("\n".join(lines) + "\n")
+    print("\n".join(targets(results, args.time_limit, solvers)))
+    print(f"wrote {out}\nregenerate: {command}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,538 @@
+"""A second exact formulation beside the MILP: Moccasin's CP model (Bartan et al., ICML 2023).
+
+Checkmate's MILP (:mod:`memplan.remat.milp`) has O(n^2) Boolean variables. Moccasin keeps
+Checkmate's time axis but gives each node at most ``C`` compute *intervals* instead of a row
+of booleans per stage, so the model has O(C n) variables and CP-SAT's scheduling
+propagators (cumulative) do the memory reasoning. Over the solver graph
+(:mod:`memplan.remat.coarsen`):
+
+* **time** (Moccasin's "stages"): Checkmate's frontier-advancing stages flattened into
+  events. Stage ``t`` holds one event per node ``k < t`` that may be re-run then (its
+  window is open and a reader of it can still run), in node order, and ends with node
+  ``t``'s first run. A plan that keeps program order for the first runs is a choice of
+  recompute events, exactly Checkmate's ``R``;
+* **runs**: node ``k`` runs at most ``C`` times (``C = 2``: the first run, fixed at its own
+  stage, and at most one recompute, an optional event in a later stage of its window).
+  Run-once nodes (:func:`memplan.remat.problem.rerun_limits`) run once;
+* **retention intervals** (Moccasin's intervals): each run ``r`` of ``k`` keeps each of its
+  parts ``q`` (outputs grouped by the nodes that read them, as in the MILP) resident over
+  ``[start_r, end_rq)``, at least over its own event; a part of run 0 ends before run 1
+  starts (a tensor is not made again while it is live);
+* **memory** (Moccasin's cumulative constraint): the retention intervals (part bytes), a
+  one-event interval per run for the node's temporaries beyond its outputs (its peak), and
+  a fixed interval from the first run to the end for outputs of the step, against
+  ``budget - persistent bytes``. This is the MILP's ``U`` with its own accounting: inputs
+  are resident while a node runs (a retention interval reaches past every read), so a plan
+  within the model is within the budget on the real graph (re-measured after lowering);
+* **precedence** (Moccasin's ``x_uv^ij``): each run of ``j`` reads each part it needs
+  (:class:`Reads`: what the lowering will run, in-place re-applications included) from a run
+  of its producer that started before it and whose interval reaches past it. Parts without
+  bytes (control tokens, view handles) are never freed and need nothing;
+* **objective**: ``min sum_k C_k (runs of k)``: the plain step's cost is part of it, so the
+  gap is relative to the whole step's compute.
+
+Beyond the paper: phase 1 (Moccasin's, an elastic capacity) runs only when the direct search
+finds no first plan; first runs may be *deferred* to a later stage (``defer``: recomputation
+and reordering decided together); parts and per-run reads follow memplan's lowering.
+
+The answer becomes Checkmate's ``R`` (stage ``t`` runs node ``t`` and the recomputes placed
+in it) and goes through the same lowering and estimator as every other strategy
+(:func:`memplan.remat.lower.schedule_from_decisions`). The search is hinted with a plan's
+``R`` (a baseline's or the MILP's) where that plan runs no node more than ``C`` times.
+
+The model is exact for plans with at most ``C`` runs per node (tested against brute force):
+its status and bound speak for that space (``details["scope"]``), not for plans that
+recompute a node more often.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from functools import reduce
+
+from ortools.sat.python import cp_model
+
+from memplan.graph.ir import Category
+from memplan.remat.coarsen import SolverGraph
+from memplan.remat.lower import schedule_from_decisions
+from memplan.remat.problem import RematProblem, RematSchedule, recompute_skips_mutation, rerun_limits
+from memplan.solvers import SolveStatus, solve_cp_sat
+
+RUNS_PER_NODE = 2
+"""Moccasin's C: the paper's default, the first run and one recompute."""
+COST_STEPS = 10**7
+"""Resolution of the objective when costs are not small integers (1e-7 of the costliest node)."""
+
+
+Part = tuple[int, int]
+"""``(p, q)``: part ``q`` of node ``p`` (its outputs read by one set of other nodes)."""
+
+
+@dataclass(frozen=True)
+class Reads:
+    """Which byte-holding parts each run of a node needs resident, as the lowering runs it.
+
+    ``first[j]``: parts read by the first run of ``j``; ``rerun[j]``: by a recompute, which
+    leaves out the in-place members that the lowering does not repeat
+    (:func:`memplan.remat.lower.lower` re-applies an in-place op only when the tensor it
+    rewrites is made again). A 0-byte input made by a re-runnable 0-byte op (a view, an
+    in-place follower) is followed to that op's inputs: the lowering may re-run it right
+    before the read, and then those must be resident too.
+    """
+
+    first: tuple[tuple[Part, ...], ...]
+    rerun: tuple[tuple[Part, ...], ...]
+
+    def of(self, j: int, r: int) -> tuple[Part, ...]:
+        return self.first[j] if r == 0 else self.rerun[j]
+
+    def readers(self, size: int) -> dict[Part, set[int]]:
+        out: dict[Part, set[int]] = {}
+        for j in range(size):
+            for part in (*self.first[j], *self.rerun[j]):
+                out.setdefault(part, set()).add(j)
+        return out
+
+
+def node_reads(sg: SolverGraph) -> Reads:
+    """:class:`Reads` of every node of ``sg`` (see there)."""
+    graph = sg.graph
+    limits = rerun_limits(graph)
+    group_of = [0] * len(graph.ops)
+    for k, members in enumerate(sg.groups):
+        for v in members:
+            group_of[v] = k
+    part_index = [{readers: q for q, (_, readers) in enumerate(parts)} for parts in sg.parts]
+
+    def sources(j: int, members: list[int]) -> tuple[Part, ...]:
+        found: set[Part] = set()
+        stack = [t for v in members for t in graph.ops[v].inputs]
+        seen: set[int] = set()
+        while stack:
+            t = stack.pop()
+            tensor = graph.tensors[t]
+            if t in seen or tensor.persistent:
+                continue
+            seen.add(t)
+            m = graph.producer[t]
+            p = group_of[m]
+            if tensor.size_bytes == 0:
+                if limits[m] > m and all(graph.tensors[u].size_bytes == 0 for u in graph.ops[m].outputs):
+                    stack.extend(graph.ops[m].inputs)
+                continue
+            if p == j or tensor.category is Category.OUTPUT:
+                continue
+            readers = tuple(sorted({group_of[c] for c in graph.consumers[t]} - {p}))
+            q = part_index[p].get(readers)
+            if q is not None and sg.parts[p][q][0]:
+                found.add((p, q))
+        return tuple(sorted(found))
+
+    def repeated(v: int) -> bool:
+        return not graph.ops[v].mutates or recompute_skips_mutation(graph, v)
+
+    first = tuple(sources(j, list(members)) for j, members in enumerate(sg.groups))
+    rerun = tuple(sources(j, [v for v in members if repeated(v)]) for j, members in enumerate(sg.groups))
+    return Reads(first, rerun)
+
+
+@dataclass
+class Events:
+    """Checkmate's stages flattened: ``index[(t, k)]`` is the event of node ``k`` in stage ``t``."""
+
+    index: dict[tuple[int, int], int]
+    stage_node: list[tuple[int, int]]
+    recompute: list[list[int]]
+    """``recompute[k]``: the stages (after ``k``) in which node ``k`` may be re-run."""
+
+    @property
+    def horizon(self) -> int:
+        return len(self.stage_node) + 1
+
+    def first(self, k: int) -> int:
+        return self.index[k, k]
+
+    def latest(self, k: int) -> int:
+        return self.index[self.recompute[k][-1], k] if self.recompute[k] else self.first(k)
+
+
+def build_events(sg: SolverGraph, reads: Reads) -> Events:
+    """One event per (stage, node) pair that can run: node ``t`` in stage ``t``, and ``k < t``
+    where ``k``'s re-run window is open at ``t`` and a reader of ``k`` can still run then."""
+    readers = reads.readers(sg.size)
+    last_stage = list(range(sg.size))
+    for k in range(sg.size - 1, -1, -1):
+        for q in range(len(sg.parts[k])):
+            for j in readers.get((k, q), ()):
+                latest = min(sg.limit[j] - 1, max(j, last_stage[j])) if sg.recomputable(j) else j
+                last_stage[k] = max(last_stage[k], latest)
+    recompute: list[list[int]] = [[] for _ in range(sg.size)]
+    candidates: list[list[int]] = [[] for _ in range(sg.size)]
+    for k in range(sg.size):
+        if not sg.recomputable(k) or not any(b for b, _ in sg.parts[k]):
+            continue
+        for t in range(k + 1, min(sg.limit[k], last_stage[k] + 1, sg.size)):
+            recompute[k].append(t)
+            candidates[t].append(k)
+    index: dict[tuple[int, int], int] = {}
+    stage_node: list[tuple[int, int]] = []
+    for t in range(sg.size):
+        for k in [*candidates[t], t]:
+            index[t, k] = len(stage_node)
+            stage_node.append((t, k))
+    return Events(index, stage_node, recompute)
+
+
+@dataclass
+class _Run:
+    start: cp_model.IntVar | int
+    present: cp_model.IntVar | int
+    ends: dict[int, cp_model.IntVar] = field(default_factory=dict)
+    """``ends[q]``: end of the retention interval of part ``q`` (parts with bytes only)."""
+
+
+@dataclass
+class CpModel:
+    """The built model and what decoding and hinting need."""
+
+    model: cp_model.CpModel
+    events: Events
+    reads: Reads
+    runs: list[list[_Run]]
+    cost_unit: float
+    memory_unit: int
+
+
+def _scale(values: list[int]) -> int:
+    """The largest unit every value is a multiple of (exact integer scaling)."""
+    return max(1, reduce(math.gcd, (v for v in values if v), 0))
+
+
+def cost_scale(costs: tuple[float, ...]) -> tuple[list[int], float]:
+    """Integer costs and their unit: exact for integral costs (FLOPs), else ``COST_STEPS``
+    steps of the costliest node (measured seconds)."""
+    if all(float(c).is_integer() for c in costs) and sum(costs) < 2**52:
+        unit = _scale([int(c) for c in costs])
+        return [int(c) // unit for c in costs], float(unit)
+    top = max(max(costs, default=1.0), 1e-30)
+    unit = top / COST_STEPS
+    return [max(0, round(c / unit)) for c in costs], unit
+
+
+def build_model(
+    sg: SolverGraph,
+    budget_bytes: int,
+    persistent_bytes: int,
+    runs_per_node: int,
+    defer: bool = False,
+    elastic: bool = False,
+) -> CpModel:
+    """Moccasin over ``sg`` (see the module docstring). With ``defer``, a node's first run in
+    its own stage is optional too: the node may first run in a later stage (a slot of its
+    re-run window), which moves it later in the order (see :func:`solve_moccasin`).
+
+    ``elastic`` is Moccasin's phase 1: the memory capacity is a variable and the objective is
+    its excess over the budget, so every plan is a solution (checkpoint-all among them) and
+    the search walks from one to a plan within the budget (excess 0, proven optimal)."""
+    reads = node_reads(sg)
+    events = build_events(sg, reads)
+    model = cp_model.CpModel()
+    sizes = [b for parts in sg.parts for b, _ in parts] + list(sg.output_bytes)
+    work = [max(0, sg.peak_bytes[k] - sum(b for b, _ in sg.parts[k])) for k in range(sg.size)]
+    unit = _scale(sizes + work)
+    capacity = (budget_bytes - persistent_bytes) // unit
+    horizon = events.horizon
+    last_read = _last_read_events(sg, events, reads)
+    runs: list[list[_Run]] = []
+    for k in range(sg.size):
+        deferrable = defer and bool(events.recompute[k]) and not _read_without_bytes(sg, k)
+        first = model.new_bool_var(f"p{k}_0") if deferrable else 1
+        node_runs = [_Run(events.first(k), first)]
+        if events.recompute[k]:
+            domain = cp_model.Domain.from_values([events.index[t, k] for t in events.recompute[k]])
+            for r in range(1, min(runs_per_node, len(events.recompute[k]) + 1)):
+                start = model.new_int_var_from_domain(domain, f"s{k}_{r}")
+                node_runs.append(_Run(start, model.new_bool_var(f"p{k}_{r}")))
+        for r, run in enumerate(node_runs):
+            for q, (b, _) in enumerate(sg.parts[k]):
+                if b:
+                    low = events.first(k) + 1 if r == 0 else 0
+                    # a part nobody reads any more still lives over its own event
+                    high = max(low, last_read[k][q] + 1, (events.first(k) if r == 0 else events.latest(k)) + 1)
+                    run.ends[q] = model.new_int_var(low, high, f"e{k}_{r}_{q}")
+        if not isinstance(first, int):
+            model.add(sum(run.present for run in node_runs) >= 1)  # every node runs; linear, for the bound
+        runs.append(node_runs)
+    intervals, demands = _memory_intervals(model, sg, events, runs, work, unit, horizon)
+    _precedence(model, reads, runs)
+    _runs_do_not_overlap(model, runs)
+    costs, cost_unit = cost_scale(sg.cost)
+    if elastic:
+        memory = model.new_int_var(0, sum(demands), "memory")
+        excess = model.new_int_var(0, sum(demands), "excess")
+        model.add(excess >= memory - capacity)
+        model.add_cumulative(intervals, demands, memory)
+        model.minimize(excess)
+    else:
+        if capacity < 0:
+            model.add_bool_or([])  # the persistent bytes alone exceed the budget
+        model.add_cumulative(intervals, demands, max(0, capacity))
+        model.minimize(sum(costs[k] * run.present for k, node_runs in enumerate(runs) for run in node_runs))
+    return CpModel(model, events, reads, runs, cost_unit, unit)
+
+
+def _read_without_bytes(sg: SolverGraph, k: int) -> bool:
+    """Another node reads an output of ``k`` that is no part with bytes (a control token, a
+    view handle, a persistent tensor): it reads the first instance whatever the plan, so
+    ``k``'s first run may not be deferred past it."""
+    graph = sg.graph
+    members = set(sg.groups[k])
+    for v in sg.groups[k]:
+        for t in graph.ops[v].outputs:
+            tensor = graph.tensors[t]
+            if any(c not in members for c in graph.consumers[t]) and (tensor.persistent or tensor.size_bytes == 0):
+                return True
+            if tensor.category is Category.OUTPUT:
+                return True
+    return False
+
+
+def _last_read_events(sg: SolverGraph, events: Events, reads: Reads) -> list[list[int]]:
+    """Latest event at which some run that reads each part of each node can run."""
+    readers = reads.readers(sg.size)
+    return [
+        [max((events.latest(j) for j in readers.get((k, q), ())), default=events.first(k)) for q in range(len(parts))]
+        for k, parts in enumerate(sg.parts)
+    ]
+
+
+def _memory_intervals(
+    model: cp_model.CpModel,
+    sg: SolverGraph,
+    events: Events,
+    runs: list[list[_Run]],
+    work: list[int],
+    unit: int,
+    horizon: int,
+) -> tuple[list[cp_model.IntervalVar], list[int]]:
+    intervals: list[cp_model.IntervalVar] = []
+    demands: list[int] = []
+    for k, node_runs in enumerate(runs):
+        for r, run in enumerate(node_runs):
+            for q, end in run.ends.items():
+                size = model.new_int_var(1, horizon, f"len{k}_{r}_{q}")
+                if isinstance(run.present, int):
+                    intervals.append(model.new_interval_var(run.start, size, end, f"i{k}_{r}_{q}"))
+                else:
+                    name = f"i{k}_{r}_{q}"
+                    intervals.append(model.new_optional_interval_var(run.start, size, end, run.present, name))
+                demands.append(sg.parts[k][q][0] // unit)
+            if work[k]:
+                if isinstance(run.present, int):
+                    intervals.append(model.new_fixed_size_interval_var(run.start, 1, f"w{k}"))
+                else:
+                    intervals.append(model.new_optional_fixed_size_interval_var(run.start, 1, run.present, f"w{k}_{r}"))
+                demands.append(work[k] // unit)
+        if sg.output_bytes[k]:
+            start = events.first(k) + 1
+            intervals.append(model.new_fixed_size_interval_var(start, horizon - start, f"out{k}"))
+            demands.append(sg.output_bytes[k] // unit)
+    return intervals, demands
+
+
+def _precedence(model: cp_model.CpModel, reads: Reads, runs: list[list[_Run]]) -> None:
+    """Every run of ``j`` reads each part it needs (:class:`Reads`) from a run of its node that
+    started before it and is still resident after it (Moccasin's x_uv^ij)."""
+    for j, node_runs in enumerate(runs):
+        for r, reader in enumerate(node_runs):
+            for p, q in reads.of(j, r):
+                _served(model, runs[p], q, reader)
+
+
+def _served(model: cp_model.CpModel, sources: list[_Run], q: int, reader: _Run) -> None:
+    when = [] if isinstance(reader.present, int) else [reader.present]
+    if len(sources) == 1 and isinstance(sources[0].present, int):
+        model.add(sources[0].ends[q] >= reader.start + 1).only_enforce_if(when)
+        return
+    chosen = [model.new_bool_var("") for _ in sources]
+    model.add_bool_or([*chosen, *(w.Not() for w in when)])
+    for source, x in zip(sources, chosen, strict=True):
+        model.add(source.ends[q] >= reader.start + 1).only_enforce_if([*when, x])
+        if not isinstance(source.present, int):
+            model.add_implication(x, source.present)
+        if not isinstance(source.start, int):
+            model.add(source.start + 1 <= reader.start).only_enforce_if([*when, x])
+
+
+def _runs_do_not_overlap(model: cp_model.CpModel, runs: list[list[_Run]]) -> None:
+    """Runs come in order, and a node's outputs are freed before it runs again (a live
+    tensor is not made twice). Re-runs fill their slots in order; the first run (in the
+    node's own stage) may be absent only when first runs may be deferred."""
+    for node_runs in runs:
+        for r, (before, after) in enumerate(itertools.pairwise(node_runs)):
+            both = [after.present] + ([] if isinstance(before.present, int) else [before.present])
+            if r > 0:
+                model.add_implication(after.present, before.present)
+                model.add(before.start < after.start).only_enforce_if(after.present)
+            for end in before.ends.values():
+                model.add(end <= after.start).only_enforce_if(both)
+
+
+def rows_from_solution(cm: CpModel, solver: cp_model.CpSolver, n: int) -> list[list[int]]:
+    """Checkmate's ``R`` as rows: stage ``t`` runs node ``t`` and every recompute placed in it."""
+    rows: list[list[int]] = [[t] for t in range(n)]
+    for k, node_runs in enumerate(cm.runs):
+        for run in node_runs[1:]:
+            if solver.boolean_value(run.present):
+                t, _ = cm.events.stage_node[solver.value(run.start)]
+                rows[t].append(k)
+    return [sorted(r) for r in rows]
+
+
+def add_hints(cm: CpModel, sg: SolverGraph, rows: list[list[int]]) -> bool:
+    """Hint the search with a plan's ``R``, if no node runs more than the model allows; every
+    retention ends at its run's last read (the least ``S`` for ``R``, Checkmate 4.6). A
+    re-run that is no event of the model (nothing can read it then) is left out: it could
+    only cost memory. False (no hint) if a run breaks a window."""
+    placed: list[list[int]] = [[] for _ in range(sg.size)]
+    for t, row in enumerate(rows):
+        for k in row:
+            if (t, k) in cm.events.index:
+                placed[k].append(cm.events.index[t, k])
+            elif not sg.may_run(t, k):
+                return False
+    if any(len(p) > len(cm.runs[k]) for k, p in enumerate(placed)):
+        return False
+    ends = _least_retention(sg, cm.reads, placed)
+    if ends is None:
+        return False
+    for k, node_runs in enumerate(cm.runs):
+        for r, run in enumerate(node_runs):
+            used = r < len(placed[k])
+            if not isinstance(run.present, int):
+                cm.model.add_hint(run.present, used)
+            if not isinstance(run.start, int):
+                cm.model.add_hint(run.start, placed[k][r] if used else _domain_min(run.start))
+            for q, end in run.ends.items():
+                cm.model.add_hint(end, ends[k][r][q] if used else _domain_min(end))
+    return True
+
+
+def _domain_min(var: cp_model.IntVar) -> int:
+    return int(var.proto.domain[0])
+
+
+def _least_retention(sg: SolverGraph, reads: Reads, placed: list[list[int]]) -> list[list[dict[int, int]]] | None:
+    """For each run of each node and each byte part, one past the event of its last read."""
+    timeline = sorted((e, k, r) for k, evs in enumerate(placed) for r, e in enumerate(evs))
+    ends = [[{q: e + 1 for q, (b, _) in enumerate(sg.parts[k]) if b} for e in evs] for k, evs in enumerate(placed)]
+    current: dict[int, int] = {}
+    for e, j, r in timeline:
+        for p, q in reads.of(j, r):
+            if p not in current:
+                return None
+            ends[p][current[p]][q] = e + 1
+        current[j] = r
+    return ends
+
+
+def solve_moccasin(
+    problem: RematProblem,
+    sg: SolverGraph,
+    hint_rows: list[list[int]] | None = None,
+    runs_per_node: int = RUNS_PER_NODE,
+    time_limit_seconds: float | None = None,
+    gap_limit: float = 0.0,
+    defer: bool = False,
+    start_rows: list[list[int]] | None = None,
+) -> tuple[RematSchedule | None, SolveStatus, dict[str, object]]:
+    """Solve Moccasin over ``sg``: the lowered plan (None without one), the solver's status
+    (objective and bound in the problem's cost units) and details for the result. The search
+    stops once the plan is proven within ``gap_limit`` of the optimum (relative).
+
+    ``hint_rows``: decisions of a plan within the budget, to start from. Without one, a
+    search that finds no plan in :data:`FIRST_PLAN_SHARE` of the time stops, and phase 1
+    (Moccasin's) looks for any plan within the budget, starting from ``start_rows`` (a plan
+    over the budget, e.g. the baseline with the lowest peak) or checkpoint-all, in up to
+    :data:`PHASE1_SHARE` of the time left; the model is then solved from that plan.
+
+    ``defer`` (joint recomputation and reordering, which Checkmate and Moccasin do not do):
+    a node's first run may move to a later stage, i.e. later in the order. The decisions still
+    list node ``t`` in stage ``t`` (Checkmate's ``R[t, t] = 1``); the lowering drops that run
+    since nobody reads it (:func:`memplan.remat.lower.lower`), so the plan runs the node first
+    where the model put it."""
+    start = time.perf_counter()
+    limit = problem.time_limit_seconds if time_limit_seconds is None else time_limit_seconds
+    details: dict[str, object] = {"formulation": "moccasin", "phase1": None}
+    cm = build_model(sg, problem.budget_bytes, problem.graph.persistent_bytes, runs_per_node, defer)
+    hinted = add_hints(cm, sg, hint_rows) if hint_rows is not None else False
+    # CP-SAT's presolve spends tens of seconds on the larger models for little gain
+    parameters: dict[str, object] = {"cp_model_presolve": False, "relative_gap_limit": gap_limit}
+    # without a plan to start from, give up on the direct search after a while and look for a
+    # first plan with phase 1 instead
+    stall = None if hinted else FIRST_PLAN_SHARE * limit
+    solver, status = _solve(cm, problem, limit - (time.perf_counter() - start), parameters, stall)
+    if status.status not in ("optimal", "feasible", "infeasible") and not hinted:
+        left = limit - (time.perf_counter() - start)
+        rows, details["phase1"] = _phase1(problem, sg, start_rows, runs_per_node, left * PHASE1_SHARE, defer)
+        if rows is not None:
+            cm = build_model(sg, problem.budget_bytes, problem.graph.persistent_bytes, runs_per_node, defer)
+            hinted = add_hints(cm, sg, rows)
+            solver, status = _solve(cm, problem, limit - (time.perf_counter() - start), parameters, None)
+    status = _in_cost_units(status, cm.cost_unit)
+    details.update(
+        events=cm.events.horizon - 1,
+        hinted=hinted,
+        scope=f"plans with at most {runs_per_node} runs per node of the {sg.size}-node solver graph"
+        + (", first runs deferrable" if defer else ", first runs in program order"),
+        bound=status.bound,
+    )
+    if status.status not in ("optimal", "feasible"):
+        return None, status, details
+    rows = rows_from_solution(cm, solver, sg.size)
+    plan = schedule_from_decisions(problem, sg, rows, "moccasin", status.status, details={"rows": rows, **details})
+    plan.gap = status.gap
+    plan.seconds = time.perf_counter() - start
+    return plan, status, details
+
+
+def _solve(
+    cm: CpModel, problem: RematProblem, seconds: float, parameters: dict[str, object], stall: float | None
+) -> tuple[cp_model.CpSolver, SolveStatus]:
+    return solve_cp_sat(
+        cm.model, max(0.05, seconds), workers=problem.workers, parameters=parameters, first_solution_seconds=stall
+    )
+
+
+FIRST_PLAN_SHARE = 0.25
+"""Without a plan to start from, the direct search gets this share of the time to find one."""
+PHASE1_SHARE = 0.5
+"""At most this share of the time goes to finding a first plan within the budget."""
+
+
+def _phase1(
+    problem: RematProblem,
+    sg: SolverGraph,
+    start_rows: list[list[int]] | None,
+    runs_per_node: int,
+    seconds: float,
+    defer: bool,
+) -> tuple[list[list[int]] | None, str]:
+    """Moccasin's phase 1: a plan within the budget (its decisions), or None; and what happened."""
+    cm = build_model(sg, problem.budget_bytes, problem.graph.persistent_bytes, runs_per_node, defer, elastic=True)
+    if start_rows is None or not add_hints(cm, sg, start_rows):
+        add_hints(cm, sg, [[t] for t in range(sg.size)])  # checkpoint-all: always a plan
+    parameters: dict[str, object] = {"cp_model_presolve": False}
+    solver, status = solve_cp_sat(cm.model, max(0.05, seconds), workers=problem.workers, parameters=parameters)
+    found = status.status in ("optimal", "feasible") and status.objective == 0
+    outcome = f"{'found a plan' if found else 'no plan'} in {status.seconds:.1f} s ({status.status})"
+    return (rows_from_solution(cm, solver, sg.size) if found else None), outcome
+
+
+def _in_cost_units(status: SolveStatus, unit: float) -> SolveStatus:
+    objective = None if status.objective is None else status.objective * unit
+    bound = None if status.bound is None else status.bound * unit
+    return SolveStatus(status.status, objective, bound, status.gap, status.seconds)

@@ -1,0 +1,431 @@
+"""One call that plans rematerialisation under a budget: :func:`solve_remat`.
+
+The portfolio runs, within one time limit, and keeps the cheapest plan that fits:
+
+1. the **memory floor** (:func:`memplan.remat.problem.memory_floor`): a budget below it has
+   no plan, proven, and the answer is "infeasible" at once;
+2. every **baseline** of :mod:`memplan.remat.baselines` on the whole graph (Chen's, Griewank's,
+   AP, linearized, Chen's drop-cheap, DTR), within a share of the time: plans in seconds, and
+   the warm starts of the solvers;
+3. **Moccasin's CP model** (:mod:`memplan.remat.moccasin`) on the whole graph, hinted with the
+   best plan so far. Only when the whole model is too big for the time limit is the graph
+   coarsened first, and the result says so (``details["nodes_before"]``/``["nodes_after"]``);
+4. **Checkmate's MILP** (:mod:`memplan.remat.milp`), warm-started from the best plan, in the
+   time the CP model leaves when it has not closed its gap: a share of the time on graphs of
+   at most :data:`MILP_NODES` nodes (there the MILP decides over the whole graph, with any
+   number of recomputations, and can prove what the CP model cannot); on larger graphs only
+   what the CP model leaves unused (its model over a coarsened graph seldom beats the CP
+   model over the whole one, measured in ``bench/results/remat_portfolio.md``).
+
+Every candidate is lowered, validated (:func:`memplan.remat.lower.validate_sequence`) and
+measured by the one estimator; an invalid one is dropped and noted. The answer has one
+status: "optimal" (a formulation proved its optimum and no plan beats it), "feasible" (a plan
+within the budget, with its gap to the bound of the CP model when there is one),
+"infeasible" (only with a proof: the memory floor, or Checkmate's MILP on a graph of one node
+per op) or "unknown" (no plan within the time limit, and no proof that none exists). The
+bound and gap speak for the scope named in ``details["scope"]``: plans with at most
+``runs_per_node`` runs of each node of the solver graph the CP model decided over.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from memplan.graph.ir import Graph
+from memplan.remat.baselines import BASELINES
+from memplan.remat.coarsen import SolverGraph, coarsen
+from memplan.remat.lower import InvalidPlan, validate_sequence
+from memplan.remat.milp import solve_checkmate
+from memplan.remat.moccasin import RUNS_PER_NODE, build_events, node_reads, solve_moccasin
+from memplan.remat.problem import RematProblem, RematSchedule, memory_floor
+
+WHOLE = 10**9
+"""``max_solver_nodes`` that keeps every unit: the whole graph (0-byte ops ride with the op before)."""
+MILP_NODES = 200
+"""The MILP's solver graph (O(n^2) variables): Checkmate's model on about this many nodes."""
+EVENTS_PER_SECOND = 4000
+"""Largest CP model (events) per second of time limit that solves on the whole graph; above it
+the graph is coarsened until the model fits (measured on the zoo, 2 cores)."""
+GAP_LIMIT = 1e-3
+"""Stop once the plan is proven within 0.1% of the optimum's compute."""
+CP_SHARE = 0.8
+"""The CP model's share of the time left on graphs small enough for the MILP to run after it."""
+MILP_MIN_SECONDS = 8.0
+"""The MILP runs after the CP model only with at least this much time left (it needs seconds to build)."""
+MARGIN_SECONDS = 1.0
+"""Kept back from each solver's time for building and lowering, so that the whole call ends in time."""
+BASELINE_SHARE = 0.25
+"""The baselines stop (the rest are skipped) once this share of the time is spent."""
+BASELINE_ORDER = (
+    "checkpoint-all",
+    "chen-drop-cheap",
+    "dtr",
+    "linearized-greedy",
+    "ap-greedy",
+    "chen-greedy",
+    "griewank",
+    "linearized-sqrtn",
+    "ap-sqrtn",
+    "chen-sqrtn",
+)
+"""The baselines, the most useful warm starts first."""
+QUICK_BASELINES = ("checkpoint-all", "chen-drop-cheap", "dtr", "linearized-greedy")
+"""The baselines that warm-start the CP model over a coarsened graph."""
+
+Progress = Callable[[str], None]
+
+
+def solve_remat(
+    graph: Graph,
+    budget_bytes: int,
+    time_limit_seconds: float = 60.0,
+    *,
+    cost: tuple[float, ...] = (),
+    workspace: tuple[int, ...] = (),
+    workers: int = 2,
+    formulations: tuple[str, ...] = ("moccasin", "checkmate"),
+    runs_per_node: int = RUNS_PER_NODE,
+    gap_limit: float = GAP_LIMIT,
+    reorder: bool = False,
+    progress: Progress | None = None,
+) -> RematSchedule:
+    """The cheapest plan for ``graph`` within ``budget_bytes`` that the portfolio finds in
+    ``time_limit_seconds`` (see the module docstring).
+
+    Returns a :class:`RematSchedule` with strategy "portfolio": ``steps`` is the lowered
+    sequence the runtime executes (``("run", op)``, ``("free", tensor)``), ``details["rows"]``
+    the decisions (Checkmate's ``R`` over ``details["groups"]``, the solver graph's nodes as
+    op ids), ``status`` and ``gap`` as above, ``details["attempts"]`` what each part of the
+    portfolio found. ``cost``/``workspace``: per op, as in :class:`RematProblem`. ``reorder``:
+    the CP model may run an op first later than program order (joint recomputation and
+    reordering, see :func:`memplan.remat.moccasin.solve_moccasin`).
+    """
+    start = time.perf_counter()
+    report = progress or (lambda _: None)
+    problem = RematProblem(
+        graph,
+        int(budget_bytes),
+        cost,
+        time_limit_seconds=time_limit_seconds,
+        workers=workers,
+        max_solver_nodes=WHOLE,
+        workspace=workspace,
+    )
+    floor = memory_floor(problem)
+    if problem.budget_bytes < floor.bytes:
+        op = graph.ops[floor.op].name
+        why = (
+            f"no plan within {problem.budget_bytes} B: at op {op!r} at least {floor.bytes} B are resident in any "
+            "plan (memory floor: its inputs and outputs, and values nothing can make again)"
+        )
+        return _no_plan(problem, "infeasible", why, start, {"floor_bytes": floor.bytes})
+    run = _Portfolio(problem, start, gap_limit, report, formulations, reorder)
+    run.baselines()
+    if "moccasin" in formulations and not run.done():
+        run.moccasin(runs_per_node)
+    if "checkmate" in formulations and not run.done() and run.left() >= MILP_MIN_SECONDS:
+        run.checkmate()
+    return run.result(floor.bytes)
+
+
+class _Portfolio:
+    """The state of one :func:`solve_remat` call: the best plan so far and every attempt."""
+
+    def __init__(
+        self,
+        problem: RematProblem,
+        start: float,
+        gap_limit: float,
+        report: Progress,
+        formulations: tuple[str, ...],
+        reorder: bool = False,
+    ) -> None:
+        self.problem, self.start, self.gap_limit, self.report = problem, start, gap_limit, report
+        self.formulations = formulations
+        self.whole = coarsen(problem, WHOLE)
+        self.best: RematSchedule | None = None
+        self.attempts: list[dict[str, object]] = []
+        self.bound: float | None = None
+        self.scope = ""
+        self.proved_optimal = False
+        self.cp_nodes = self.whole.size
+        self.sg_of: dict[str, SolverGraph] = {}
+        self.lowest: RematSchedule | None = None
+        self.reorder = reorder
+
+    def left(self) -> float:
+        return self.problem.time_limit_seconds - (time.perf_counter() - self.start)
+
+    def done(self) -> bool:
+        """The best plan is proven optimal or within the gap limit, or no time is left."""
+        if self.left() <= 0.05:
+            return True
+        if self.best is None:
+            return False
+        if self.best.compute_cost <= self.best.plain_cost:
+            return True  # no recomputation: nothing can be cheaper
+        return self.proved_optimal or (self.gap() is not None and self.gap() <= self.gap_limit)  # type: ignore[operator]
+
+    def gap(self) -> float | None:
+        if self.best is None or self.bound is None or self.best.compute_cost <= 0:
+            return None
+        return max(0.0, self.best.compute_cost - self.bound) / self.best.compute_cost
+
+    def offer(self, plan: RematSchedule | None, source: str, sg: SolverGraph) -> bool:
+        """Keep ``plan`` if it is valid, fits and is cheaper than the best so far."""
+        if plan is None or not plan.feasible:
+            return False
+        try:
+            validate_sequence(self.problem.graph, plan.steps)
+        except InvalidPlan as err:
+            self.attempts.append({"name": source, "status": "invalid", "message": str(err)})
+            return False
+        if self.best is not None and plan.compute_cost >= self.best.compute_cost:
+            return False
+        plan.details["from"] = source
+        self.best = plan
+        self.sg_of[source] = sg
+        return True
+
+    def baselines(self) -> None:
+        """Every baseline, the most useful first, until :data:`BASELINE_SHARE` of the time is spent."""
+        self.report("baselines")
+        deadline = self.start + BASELINE_SHARE * self.problem.time_limit_seconds
+        for name in BASELINE_ORDER:
+            if time.perf_counter() > deadline:
+                self.attempts.append({"name": name, "status": "skipped", "message": "the baselines' time is spent"})
+                continue
+            began = time.perf_counter()
+            plan = BASELINES[name](self.problem)
+            self.offer(plan, name, self.whole)
+            self.lowest = _lower_peak(self.lowest, plan)
+            self.attempts.append(_attempt(name, plan, time.perf_counter() - began, self.whole.size))
+
+    def moccasin(self, runs_per_node: int) -> None:
+        sg = self.cp_graph()
+        self.cp_nodes = sg.size
+        hint, start_rows = self.hint_for(sg)
+        milp_after = "checkmate" in self.formulations and self.whole.size <= MILP_NODES
+        share = self.left() * (CP_SHARE if milp_after else 1.0) - MARGIN_SECONDS
+        self.report(f"moccasin on {sg.size} nodes ({share:.0f} s)")
+        problem = self.problem_for(sg)
+        plan, status, details = solve_moccasin(
+            problem, sg, hint, runs_per_node, share, self.gap_limit, self.reorder, start_rows
+        )
+        self.attempts.append(
+            {**_attempt("moccasin", plan, status.seconds, sg.size), "solver_status": status.status, **details}
+        )
+        if status.bound is not None:
+            self.bound, self.scope = status.bound, str(details["scope"])
+        self.offer(plan, "moccasin", sg)
+        if status.status == "optimal" and plan is not None and self.best is not None:
+            # the best plan costs no more than the proven optimum of the CP model's scope
+            self.proved_optimal = self.best.compute_cost <= plan.compute_cost
+
+    def checkmate(self) -> None:
+        problem = RematProblem(
+            self.problem.graph,
+            self.problem.budget_bytes,
+            self.problem.cost,
+            time_limit_seconds=max(0.1, self.left() - MARGIN_SECONDS),
+            workers=self.problem.workers,
+            max_solver_nodes=MILP_NODES,
+            workspace=self.problem.workspace,
+        )
+        sg = coarsen(problem, MILP_NODES)
+        warm = self.best if self.best is not None and self._same_graph(sg) else None
+        self.report(f"checkmate MILP on {sg.size} nodes ({problem.time_limit_seconds:.0f} s)")
+        began = time.perf_counter()
+        plan = solve_checkmate(problem, warm)
+        attempt = _attempt("checkmate", plan, time.perf_counter() - began, sg.size)
+        attempt["solver_status"] = plan.details.get("solver_status", plan.status)
+        self.attempts.append(attempt)
+        kept = self.offer(plan, "checkmate", sg)
+        if kept and self.bound is None and plan.gap is not None:
+            self.bound = plan.compute_cost * (1 - plan.gap)
+            self.scope = f"plans over the {sg.size}-node solver graph of Checkmate's MILP"
+        if kept and plan.details.get("solver_status") == "optimal" and sg.size == self.whole.size:
+            self.proved_optimal = True
+
+    def _same_graph(self, sg: SolverGraph) -> bool:
+        source = self.best.details.get("from") if self.best is not None else None
+        mine = self.sg_of.get(str(source))
+        return mine is not None and mine.groups == sg.groups
+
+    def cp_graph(self) -> SolverGraph:
+        """The whole graph, or the finest coarsening whose CP model fits the time left."""
+        limit = EVENTS_PER_SECOND * max(1.0, self.left())
+        if _events(self.whole) <= limit:
+            return self.whole
+        low, high = 20, self.whole.size
+        best = coarsen(self.problem, low)
+        while high - low > 8:
+            mid = (low + high) // 2
+            sg = coarsen(self.problem, mid)
+            if _events(sg) <= limit:
+                low, best = mid, sg
+            else:
+                high = mid
+        return best
+
+    def problem_for(self, sg: SolverGraph) -> RematProblem:
+        return RematProblem(
+            self.problem.graph,
+            self.problem.budget_bytes,
+            self.problem.cost,
+            time_limit_seconds=self.problem.time_limit_seconds,
+            workers=self.problem.workers,
+            max_solver_nodes=sg.size,
+            workspace=self.problem.workspace,
+        )
+
+    def hint_for(self, sg: SolverGraph) -> tuple[list[list[int]] | None, list[list[int]] | None]:
+        """Decisions over ``sg`` to start the CP model from: the best plan's (within the budget)
+        and the lowest-peak plan's (for phase 1 when there is no plan yet). Over a coarsened
+        graph, the quick baselines' there."""
+        if sg.groups == self.whole.groups:
+            best = self.best.details["rows"] if self.best is not None and self._same_graph(sg) else None
+            lowest = self.lowest.details.get("rows") if self.lowest is not None else None
+            return best, lowest  # type: ignore[return-value]
+        problem = self.problem_for(sg)
+        plans = [BASELINES[name](problem) for name in QUICK_BASELINES]
+        fits = [p for p in plans if p.feasible]
+        best = min(fits, key=lambda p: p.compute_cost) if fits else None
+        lowest = min((p for p in plans if p.steps), key=lambda p: p.peak_bytes, default=None)
+        return (best.details["rows"] if best else None), (lowest.details["rows"] if lowest else None)  # type: ignore[return-value]
+
+    def result(self, floor_bytes: int) -> RematSchedule:
+        details: dict[str, object] = {
+            "attempts": self.attempts,
+            "nodes_before": self.whole.size,
+            "nodes_after": self.cp_nodes,
+            "coarsened": self.cp_nodes < self.whole.size,
+            "ops": len(self.problem.graph.ops),
+            "floor_bytes": floor_bytes,
+            "scope": self.scope,
+            "bound": self.bound,
+        }
+        if self.best is None:
+            proofs = [a for a in self.attempts if a.get("status") == "infeasible"]
+            if proofs:
+                return _no_plan(self.problem, "infeasible", str(proofs[0]["message"]), self.start, details)
+            why = f"no plan within {self.problem.budget_bytes} B found in {self.problem.time_limit_seconds:g} s"
+            return _no_plan(self.problem, "unknown", why, self.start, details)
+        best = self.best
+        gap = self.gap()
+        optimal = best.compute_cost <= best.plain_cost or self.proved_optimal or gap == 0.0
+        plan = RematSchedule(
+            "portfolio",
+            best.budget_bytes,
+            best.steps,
+            best.peak_bytes,
+            best.compute_cost,
+            best.plain_cost,
+            "optimal" if optimal else "feasible",
+            seconds=time.perf_counter() - self.start,
+            gap=0.0 if optimal else gap,
+            details={**details, "from": best.details.get("from"), "rows": best.details.get("rows")},
+        )
+        sg = self.sg_of.get(str(best.details.get("from")))
+        if sg is not None:
+            plan.details["groups"] = sg.groups
+        return plan
+
+
+def _lower_peak(current: RematSchedule | None, plan: RematSchedule) -> RematSchedule | None:
+    """The plan with the lower peak (over budget or not): phase 1's start."""
+    if not plan.steps or "rows" not in plan.details:
+        return current
+    return plan if current is None or plan.peak_bytes < current.peak_bytes else current
+
+
+def _events(sg: SolverGraph) -> int:
+    return build_events(sg, node_reads(sg)).horizon - 1
+
+
+def _attempt(name: str, plan: RematSchedule | None, seconds: float, nodes: int) -> dict[str, object]:
+    out: dict[str, object] = {"name": name, "nodes": nodes, "seconds": round(seconds, 3)}
+    if plan is not None:
+        out.update(status=plan.status, feasible=plan.feasible, gap=plan.gap, message=plan.message)
+        out["overhead"] = round(plan.overhead, 6) if plan.feasible else None
+    return out
+
+
+def _no_plan(problem: RematProblem, status: str, why: str, start: float, details: dict[str, object]) -> RematSchedule:
+    return RematSchedule(
+        "portfolio",
+        problem.budget_bytes,
+        [],
+        0,
+        0.0,
+        problem.plain_cost,
+        status,
+        seconds=time.perf_counter() - start,
+        message=why,
+        details=details,
+    )
+
+
+def moccasin_strategy(problem: RematProblem) -> RematSchedule:
+    """Moccasin's CP model alone (after the baselines, its warm starts), as a strategy."""
+    plan = solve_remat(
+        problem.graph,
+        problem.budget_bytes,
+        problem.time_limit_seconds,
+        cost=problem.cost,
+        workspace=problem.workspace,
+        workers=problem.workers,
+        formulations=("moccasin",),
+    )
+    plan.strategy = "moccasin"
+    return plan
+
+
+def portfolio_strategy(problem: RematProblem) -> RematSchedule:
+    """:func:`solve_remat` as a strategy of :data:`memplan.remat.STRATEGIES`."""
+    return solve_remat(
+        problem.graph,
+        problem.budget_bytes,
+        problem.time_limit_seconds,
+        cost=problem.cost,
+        workspace=problem.workspace,
+        workers=problem.workers,
+    )
+
+
+def solve_remat_within_overhead(
+    graph: Graph,
+    max_overhead: float,
+    time_limit_seconds: float = 60.0,
+    *,
+    probes: int = 8,
+    cost: tuple[float, ...] = (),
+    workspace: tuple[int, ...] = (),
+    workers: int = 2,
+    progress: Progress | None = None,
+) -> RematSchedule:
+    """The plan with the lowest peak whose compute overhead is at most ``max_overhead`` (0.1:
+    "at most 10% more compute"), by bisection over the budget between the memory floor and
+    the checkpoint-all peak: ``probes`` calls of :func:`solve_remat`, each with an equal share
+    of the time. The checkpoint-all plan (overhead 0) is the answer when nothing lower fits."""
+    from memplan.remat.baselines import checkpoint_all
+
+    start = time.perf_counter()
+    base = RematProblem(graph, 10**18, cost, workers=workers, max_solver_nodes=WHOLE, workspace=workspace)
+    best = checkpoint_all(base)
+    best.status, best.gap = "optimal", 0.0
+    low, high = memory_floor(base).bytes, best.peak_bytes
+    seconds = time_limit_seconds / max(1, probes)
+    for _ in range(probes):
+        if high - low <= max(1, high // 1000):
+            break
+        budget = (low + high) // 2
+        plan = solve_remat(graph, budget, seconds, cost=cost, workspace=workspace, workers=workers, progress=progress)
+        if plan.feasible and plan.overhead <= max_overhead + 1e-12:
+            best, high = plan, plan.peak_bytes
+        else:
+            low = budget + 1
+    best.seconds = time.perf_counter() - start
+    best.details["max_overhead"] = max_overhead
+    return best

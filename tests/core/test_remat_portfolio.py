@@ -1,0 +1,374 @@
+"""Moccasin's CP model, the portfolio (solve_remat), the memory floor, and the forward/backward
+split found from a graph's structure; against brute force on tiny graphs."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import json
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from memplan.graph.generate import random_dag
+from memplan.graph.io import write_graph_json
+from memplan.graph.ir import Category, Graph, Op, Tensor, TensorId
+from memplan.remat import STRATEGIES, RematProblem, memory_floor, solve_remat, solve_remat_within_overhead
+from memplan.remat.baselines import BASELINES, checkpoint_all, solver_graph
+from memplan.remat.coarsen import coarsen, identity, refine_rows
+from memplan.remat.lower import InvalidPlan, lower, schedule_from_decisions, sequence_peak_bytes, validate_sequence
+from memplan.remat.milp import _finish
+from memplan.remat.moccasin import _phase1, add_hints, build_model, solve_moccasin
+from memplan.remat.problem import NO_SPLIT, forward_end, run_cost
+from memplan.solvers import solve_cp_sat
+from tests.core.test_remat import _with_flops, fwd_bwd_chain
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    cost: float
+    peak: int
+    entries: int
+    """Most entries of one op in R (its runs before the lowering drops the unread ones)."""
+    in_order: bool
+    """The lowering kept every op's first run in its own stage (program order)."""
+
+
+@functools.lru_cache(maxsize=32)
+def all_plans(graph: Graph) -> list[Plan]:
+    """Every plan of Checkmate's space on the one-node-per-op graph, by enumeration of R."""
+    problem = RematProblem(graph, 10**18)
+    sg = identity(problem)
+    cells = [(t, i) for t in range(sg.size) for i in range(t) if sg.may_run(t, i)]
+    plans = []
+    for bits in itertools.product((0, 1), repeat=len(cells)):
+        rows = [[t] for t in range(sg.size)]
+        for (t, i), bit in zip(cells, bits, strict=True):
+            if bit:
+                rows[t].append(i)
+        try:
+            steps = lower(sg, [sorted(r) for r in rows])
+        except InvalidPlan:
+            continue
+        runs = [i for kind, i in steps if kind == "run"]
+        firsts = [runs.index(v) for v in range(len(graph.ops))]
+        plans.append(
+            Plan(
+                run_cost(problem.cost, steps),
+                sequence_peak_bytes(graph, steps),
+                max(sum(k in r for r in rows) for k in range(sg.size)),
+                firsts == sorted(firsts) and all(runs[f] == v for v, f in enumerate(firsts)),
+            )
+        )
+    return plans
+
+
+def cheapest(plans: list[Plan], budget: int, max_entries: int | None = None, in_order: bool = False) -> float | None:
+    costs = [
+        p.cost
+        for p in plans
+        if p.peak <= budget and (max_entries is None or p.entries <= max_entries) and (p.in_order or not in_order)
+    ]
+    return min(costs, default=None)
+
+
+def small_graph(seed: int, num_ops: int = 5) -> Graph:
+    """A random DAG whose ops are pure (random_dag's kind "random" reads as a random op, which
+    is never recomputed) and cost 1-9."""
+    graph = _with_flops(random_dag(seed, num_ops, output_fraction=0.0), seed)
+    ops = tuple(Op(o.name, "mm", o.inputs, o.outputs, o.stream, o.mutates, o.flops) for o in graph.ops)
+    return Graph(ops, graph.tensors, graph.name)
+
+
+def small_step(seed: int) -> Graph:
+    """A training step of 6 ops (3 forward, the loss, 2 backward) with random sizes and costs."""
+    rng = random.Random(seed)
+    return fwd_bwd_chain([rng.randint(1, 9) for _ in range(3)], [rng.randint(1, 9) for _ in range(3)])
+
+
+TINY = [("dag", seed) for seed in range(4)] + [("step", seed) for seed in range(3)]
+
+
+def tiny(kind: str, seed: int) -> Graph:
+    return small_graph(seed) if kind == "dag" else small_step(seed)
+
+
+# --- Moccasin's CP model against brute force ------------------------------------------------
+
+
+@pytest.mark.parametrize(("kind", "seed"), TINY)
+def test_moccasin_with_deferred_first_runs_equals_brute_force(kind: str, seed: int) -> None:
+    """Over R with at most C entries per op (the lowering drops unread runs, so a first run
+    may move later), the CP model that may defer first runs is exact."""
+    graph = tiny(kind, seed)
+    plans = all_plans(graph)
+    top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
+    for fraction in (1.0, 0.85, 0.7):
+        budget = int(top * fraction)
+        problem = RematProblem(graph, budget, time_limit_seconds=5.0, workers=1)
+        for runs in (2, 3):
+            plan, status, _ = solve_moccasin(problem, identity(problem), runs_per_node=runs, defer=True)
+            expected = cheapest(plans, budget, runs)
+            assert (plan.compute_cost if plan else None) == expected, (fraction, runs)
+            if plan is not None:
+                assert status.status == "optimal"
+                validate_sequence(graph, plan.steps)
+                assert plan.peak_bytes == sequence_peak_bytes(graph, plan.steps) <= budget
+            else:
+                assert status.status == "infeasible"
+
+
+@pytest.mark.parametrize(("kind", "seed"), TINY)
+def test_moccasin_in_program_order_is_between_brute_force_bounds(kind: str, seed: int) -> None:
+    """Without deferral the CP model is at least as cheap as every plan that keeps program
+    order, and no cheaper than the best plan of all."""
+    graph = tiny(kind, seed)
+    plans = all_plans(graph)
+    top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
+    for fraction in (1.0, 0.85, 0.7):
+        budget = int(top * fraction)
+        problem = RematProblem(graph, budget, time_limit_seconds=5.0, workers=1)
+        plan, status, _ = solve_moccasin(problem, identity(problem), runs_per_node=2)
+        in_order = cheapest(plans, budget, 2, in_order=True)
+        if in_order is not None:
+            assert plan is not None and plan.compute_cost <= in_order
+        if plan is not None:
+            assert plan.compute_cost >= cheapest(plans, budget, 2)  # type: ignore[operator]
+            assert plan.peak_bytes == sequence_peak_bytes(graph, plan.steps) <= budget
+            assert status.status == "optimal" and status.objective >= plan.compute_cost
+
+
+@pytest.mark.parametrize("budget", [14, 15, 17, 30])  # checkpoint-all peaks at 17
+def test_both_formulations_equal_brute_force_on_a_tiny_chain(budget: int) -> None:
+    graph = fwd_bwd_chain([4, 6, 5], [3, 1, 2])
+    expected = cheapest(all_plans(graph), budget)
+    problem = RematProblem(graph, budget, time_limit_seconds=5.0, workers=1)
+    milp = STRATEGIES["checkmate"](problem)
+    cp, _, _ = solve_moccasin(problem, identity(problem), runs_per_node=3, defer=True)
+    assert (milp.compute_cost if milp.feasible else None) == expected
+    assert (cp.compute_cost if cp else None) == expected
+    if expected is None:
+        assert milp.status == "infeasible"  # proven: the MILP's model has one node per op
+
+
+@pytest.mark.parametrize("seed", [1, 4, 9])
+def test_a_baseline_plan_is_a_feasible_hint_of_the_cp_model(seed: int) -> None:
+    """The CP model's memory is the real graph's for these plans: fixing the model to a
+    baseline's decisions (least retention) leaves it feasible."""
+    rng = random.Random(seed)
+    graph = fwd_bwd_chain([rng.randint(10, 90) for _ in range(8)], [rng.randint(1, 9) for _ in range(8)])
+    top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
+    problem = RematProblem(graph, int(top * 0.8), max_solver_nodes=10**6)
+    sg = solver_graph(problem)
+    hinted = 0
+    for plan in (solve(problem) for solve in BASELINES.values()):
+        if not plan.feasible:
+            continue
+        cm = build_model(sg, problem.budget_bytes, graph.persistent_bytes, 4)
+        if not add_hints(cm, sg, plan.details["rows"]):
+            continue
+        fixed = cm.model.clone()
+        proto = fixed.proto
+        for index, value in zip(proto.solution_hint.vars, proto.solution_hint.values, strict=True):
+            fixed.add(fixed.get_int_var_from_proto_index(index) == value)
+        _, status = solve_cp_sat(fixed, 5.0, workers=1)
+        assert status.status in ("optimal", "feasible"), plan.strategy
+        hinted += 1
+    assert hinted > 0
+
+
+# --- the memory floor: "infeasible" only with a proof --------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10**6), num_ops=st.integers(2, 5))
+def test_memory_floor_is_below_every_plan(seed: int, num_ops: int) -> None:
+    graph = small_graph(seed, num_ops)
+    floor = memory_floor(RematProblem(graph, 0))
+    lowest = min(plan.peak for plan in all_plans(graph))
+    assert floor.bytes <= lowest
+
+
+@settings(max_examples=15, deadline=None)
+@given(which=st.sampled_from(TINY), fraction=st.floats(0.3, 1.0), seconds=st.sampled_from([0.01, 3.0]))
+def test_the_portfolio_says_infeasible_only_when_no_plan_exists(
+    which: tuple[str, int], fraction: float, seconds: float
+) -> None:
+    graph = tiny(*which)
+    top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
+    budget = int(top * fraction)
+    expected = cheapest(all_plans(graph), budget)
+    plan = solve_remat(graph, budget, seconds, workers=1)
+    assert plan.status in ("optimal", "feasible", "infeasible", "unknown")
+    if plan.status == "infeasible":
+        assert expected is None
+    if plan.feasible:
+        validate_sequence(graph, plan.steps)
+        assert plan.peak_bytes == sequence_peak_bytes(graph, plan.steps) <= budget
+        assert expected is not None and plan.compute_cost >= expected
+        if plan.status == "optimal" and seconds > 1:
+            assert plan.compute_cost == cheapest(all_plans(graph), budget, 2)
+    else:
+        assert plan.status in ("infeasible", "unknown") and plan.message
+
+
+def test_an_unknown_solver_answer_is_never_reported_infeasible() -> None:
+    graph = fwd_bwd_chain([4, 6, 5], [3, 1, 2])
+    problem = RematProblem(graph, 15)
+    for status in ("unknown", "infeasible"):
+        plan = _finish(problem, None, None, status, None, 0.0, exact=False)
+        assert plan.status == "unknown" and not plan.feasible
+    assert _finish(problem, None, None, "infeasible", None, 0.0, exact=True).status == "infeasible"
+    below_floor = solve_remat(graph, memory_floor(problem).bytes - 1, 5.0, workers=1)
+    assert below_floor.status == "infeasible" and "memory floor" in below_floor.message
+
+
+# --- the portfolio ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [2, 5, 8])
+def test_the_portfolio_is_never_worse_than_a_baseline(seed: int) -> None:
+    rng = random.Random(seed)
+    graph = fwd_bwd_chain([rng.randint(10, 90) for _ in range(8)], [rng.randint(1, 9) for _ in range(8)])
+    top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
+    for fraction in (0.9, 0.75):
+        problem = RematProblem(graph, int(top * fraction), max_solver_nodes=10**6)
+        plan = solve_remat(graph, problem.budget_bytes, 5.0, workers=1)
+        baselines = [solve(problem) for solve in BASELINES.values()]
+        fits = [b.compute_cost for b in baselines if b.feasible]
+        if fits:
+            assert plan.feasible and plan.compute_cost <= min(fits)
+        if plan.feasible:
+            validate_sequence(graph, plan.steps)
+            assert plan.peak_bytes == sequence_peak_bytes(graph, plan.steps) <= problem.budget_bytes
+            assert (
+                plan.status in ("optimal", "feasible") and plan.details["nodes_after"] <= plan.details["nodes_before"]
+            )
+            assert plan.gap is not None and 0 <= plan.gap <= 1
+
+
+def test_refined_decisions_lower_to_the_same_steps() -> None:
+    graph = small_graph(3, 40)
+    top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
+    problem = RematProblem(graph, int(top * 0.8))
+    fine = coarsen(problem, 10**6)
+    coarse = coarsen(problem, 12)
+    assert coarse.size < fine.size
+    rng = random.Random(0)
+    for _ in range(20):
+        rows = [[t] for t in range(coarse.size)]
+        for t in range(coarse.size):
+            rows[t] += [k for k in range(t) if coarse.may_run(t, k) and rng.random() < 0.2]
+        try:
+            expected = lower(coarse, [sorted(r) for r in rows])
+        except InvalidPlan:
+            continue
+        assert lower(fine, refine_rows(coarse, fine, rows)) == expected
+
+
+# --- baselines on a graph without memplan's marks ------------------------------------------
+
+
+def without_marks(graph: Graph) -> Graph:
+    """The graph as a user's GRAPH.json might give it: no loss marked, every non-persistent
+    tensor an activation."""
+    tensors = tuple(
+        t if t.persistent else Tensor(t.name, t.size_bytes, Category.ACTIVATION, False) for t in graph.tensors
+    )
+    return Graph(graph.ops, tensors, graph.name)
+
+
+def test_the_split_is_found_from_the_structure() -> None:
+    graph = fwd_bwd_chain([40, 60, 50, 30], [3, 1, 2, 2])
+    marked = forward_end(graph)
+    assert marked.how == "marked loss"
+    found = forward_end(without_marks(graph))
+    assert found.op == marked.op and found.how.startswith("structure")
+
+
+def test_a_graph_without_marks_gets_the_baselines_of_the_marked_graph() -> None:
+    marked = fwd_bwd_chain([40, 60, 50, 30, 20], [3, 1, 2, 2, 1])
+    graph = without_marks(marked)
+    top = checkpoint_all(RematProblem(marked, 10**9)).peak_bytes
+    found = 0
+    for fraction in (0.95, 0.9, 0.85):
+        plans = {n: solve(RematProblem(graph, int(top * fraction))) for n, solve in BASELINES.items()}
+        reference = {n: solve(RematProblem(marked, int(top * fraction))) for n, solve in BASELINES.items()}
+        for name, plan in reference.items():
+            if plan.feasible:  # the unmarked graph frees the 1-byte loss early: it fits too
+                assert plans[name].feasible and plans[name].overhead <= plan.overhead, (fraction, name)
+                validate_sequence(graph, plans[name].steps)
+                found += name != "checkpoint-all"
+    assert found >= 6
+
+
+def test_a_graph_without_a_split_gets_a_clear_reason() -> None:
+    sizes = [30, 40, 50, 40]
+    tensors = [Tensor(f"x{i}", s) for i, s in enumerate(sizes)]
+    ops = [Op("f0", "mm", (), (TensorId(0),), flops=1)]
+    ops += [Op(f"f{i}", "mm", (TensorId(i - 1),), (TensorId(i),), flops=1) for i in range(1, len(sizes))]
+    graph = Graph(tuple(ops), tuple(tensors), "inference-chain")
+    assert forward_end(graph).op is None
+    problem = RematProblem(graph, 50)
+    for name in ("chen-greedy", "linearized-greedy", "ap-greedy", "griewank", "chen-drop-cheap"):
+        plan = BASELINES[name](problem)
+        assert plan.status == "not-applicable" and NO_SPLIT in plan.message
+
+
+def test_cli_reports_status_gap_and_nodes_on_a_marks_free_file(tmp_path: Path) -> None:
+    from memplan.cli import app
+
+    graph = without_marks(fwd_bwd_chain([40, 60, 50, 30, 20], [3, 1, 2, 2, 1]))
+    write_graph_json(graph, tmp_path / "g.json")
+    out = tmp_path / "r.json"
+    args = ["remat", str(tmp_path / "g.json"), "--budget", "0.9", "--time-limit", "3", "--json", str(out)]
+    result = CliRunner().invoke(app, [*args, "--strategy", "all"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    portfolio = report["strategies"]["portfolio"]
+    assert portfolio["feasible"] and portfolio["status"] in ("optimal", "feasible")
+    assert portfolio["nodes_before"] == portfolio["nodes_after"] and not portfolio["coarsened"]
+    assert report["strategies"]["linearized-greedy"]["feasible"]
+    assert portfolio["overhead"] <= min(
+        s["overhead"] for s in report["strategies"].values() if s["feasible"] and s["overhead"] is not None
+    )
+
+
+def test_the_portfolio_runs_every_baseline() -> None:
+    from memplan.remat.portfolio import BASELINE_ORDER, QUICK_BASELINES
+
+    assert sorted(BASELINE_ORDER) == sorted(BASELINES) and set(QUICK_BASELINES) <= set(BASELINES)
+
+
+def test_phase_one_finds_a_plan_where_no_baseline_fits() -> None:
+    graph = small_graph(0, 14)
+    top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
+    problem = RematProblem(graph, int(top * 0.85), time_limit_seconds=10.0, workers=1, max_solver_nodes=10**6)
+    assert not any(solve(problem).feasible for solve in BASELINES.values())
+    sg = solver_graph(problem)
+    rows, outcome = _phase1(problem, sg, None, 2, 10.0, False)  # from checkpoint-all, over the budget
+    assert rows is not None and outcome.startswith("found a plan")
+    plan = schedule_from_decisions(problem, sg, rows, "phase1", "feasible")
+    assert plan.feasible and plan.peak_bytes <= problem.budget_bytes
+    validate_sequence(graph, plan.steps)
+    best, status, _ = solve_moccasin(problem, sg, rows)
+    assert best is not None and status.status == "optimal" and best.compute_cost <= plan.compute_cost
+    portfolio = solve_remat(graph, problem.budget_bytes, 10.0, workers=1)
+    assert portfolio.status == "optimal" and portfolio.compute_cost == best.compute_cost
+
+
+def test_the_lowest_peak_within_a_compute_allowance() -> None:
+    rng = random.Random(7)
+    graph = fwd_bwd_chain([rng.randint(10, 90) for _ in range(8)], [rng.randint(1, 9) for _ in range(8)])
+    top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
+    none = solve_remat_within_overhead(graph, 0.0, 10.0, workers=1)
+    assert none.feasible and none.overhead == 0.0 and none.peak_bytes <= top
+    some = solve_remat_within_overhead(graph, 0.3, 10.0, workers=1)
+    assert some.feasible and some.overhead <= 0.3 and some.peak_bytes < none.peak_bytes
+    validate_sequence(graph, some.steps)
+    assert some.peak_bytes == sequence_peak_bytes(graph, some.steps)
