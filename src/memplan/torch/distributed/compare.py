@@ -10,14 +10,17 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import torch
+from memplan.errors import MemplanError
 from memplan.torch.capture import call_model
 from memplan.torch.distributed.step import DataParallelStep
+from memplan.torch.distributed.timeline import overlap, profile_step
 from memplan.torch.measure import allocator_peak_bytes, optimizer_state_tensors, resident_bytes
 from memplan.torch.zoo import build_workload, make_optimizer
 
@@ -79,6 +82,12 @@ def _spread_over_ranks(tensors: list[torch.Tensor], group: Any) -> float:
     return float(spread)
 
 
+def _ddp_bucket_bytes(model: torch.nn.Module) -> int:
+    """What DDP's reducer holds in its buckets for the model's life: every gradient once (its
+    buckets are flat tensors allocated at construction and again when it rebuilds them)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
 def ddp_buckets(ddp: DistributedDataParallel) -> list[list[int]]:
     """DDP's rebuilt buckets, as parameter indices (``model.parameters()`` order)."""
     text = ddp._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices", "")
@@ -97,9 +106,12 @@ def compare_with_ddp(
     seed: int = 0,
     variants: tuple[str, ...] = ("ddp", "ddp-view"),
     group: Any = None,
+    trace: str | None = None,
 ) -> list[dict[str, Any]] | None:
     """Every rank's report (on rank 0; ``None`` elsewhere): numerics against each DDP variant,
-    the spread of parameters over the ranks, measured and planned peaks, step seconds, buckets."""
+    the spread of parameters over the ranks, measured and planned peaks, step seconds, buckets.
+    With ``trace``, one more step of each is profiled: its events (one lane per stream) are in
+    each report, and how much of the all-reduce time overlapped computation."""
     rank = dist.get_rank(group)
     # each rank builds its own model and data (another seed): the constructors broadcast rank 0's
     # parameters and buffers, as DDP's does
@@ -136,15 +148,18 @@ def compare_with_ddp(
 
     loss_diff = 0.0
     spread = 0.0
-    for k in range(steps + 1):
-        measure = k == steps  # one more step of each, under the profiler, for memory
+    traces: dict[str, list] = {}
+    phases = ["timed"] * steps + ["memory"] + (["trace"] if trace else [])
+    for k, phase in enumerate(phases):
         losses = []
         for v in runs:
             torch.manual_seed(seed + 1000 * (rank + 1) + k)
             dist.barrier(group=group)
             t0 = time.perf_counter()
-            if measure:
+            if phase == "memory":  # under the profiler's memory events
                 loss, v.peak_bytes = allocator_peak_bytes(v.run, batch)
+            elif phase == "trace":
+                loss, traces[v.name] = profile_step(v.run, batch)
             else:
                 loss = v.run(batch)
                 v.seconds.append(time.perf_counter() - t0)
@@ -182,6 +197,7 @@ def compare_with_ddp(
             "max_scratch_bytes": runner.stats.max_scratch_bytes,
         },
         "comm_events": [vars(e) for e in runner.events],
+        "trace_events": traces,
         "variants": {
             v.name: {
                 "max_abs_diff": v.max_abs_diff,
@@ -189,9 +205,96 @@ def compare_with_ddp(
                 "step_peak_bytes": v.peak_bytes,
                 "step_seconds": sorted(v.seconds)[len(v.seconds) // 2] if v.seconds else 0.0,
                 "all_step_seconds": v.seconds,
+                "bucket_bytes": 0 if v.name == "memplan" else _ddp_bucket_bytes(v.model),
+                "overlap": overlap(traces[v.name]) if v.name in traces else None,
             }
             for v in runs
         },
+    }
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, report, group=group)
+    return gathered if rank == 0 else None
+
+
+def _status_bytes(field: str) -> int:
+    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise MemplanError(f"/proc/self/status has no {field} (memory is measured on Linux only)")
+
+
+def reset_peak_rss() -> None:
+    """Reset this process's peak resident set (VmHWM) to its current one (Linux >= 4.0)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def measure_rss(
+    model_name: str,
+    batch_size: int,
+    variant: str,
+    optimizer_name: str = "sgd",
+    *,
+    bucket_cap_mb: float | None = None,
+    waits: str = "next-bucket",
+    time_limit_seconds: float = 10.0,
+    seed: int = 0,
+    warmup_steps: int = 3,
+    group: Any = None,
+) -> list[dict[str, Any]] | None:
+    """This process's peak resident set (what ``top`` and the OOM killer see) during one
+    steady-state data-parallel step of ``variant`` ("memplan", "ddp", "ddp-view") alone, every
+    rank's report on rank 0. ``base_bytes`` is the resident set after the imports and the process
+    group, before the model exists; the peak is read from VmHWM, reset just before the step."""
+    import gc
+
+    rank = dist.get_rank(group)
+    import ortools.sat.python.cp_model  # noqa: F401  (both variants carry the same libraries)
+
+    gc.collect()
+    base = _status_bytes("VmRSS")
+    w = build_workload(model_name, batch_size, seed=seed + rank)
+    w.model.train()
+    batch = (w.inputs, w.target)
+    optimizer = make_optimizer(optimizer_name, w.model.parameters())
+    claimed = None
+    if variant == "memplan":
+        step = DataParallelStep(
+            w.model,
+            optimizer,
+            w.loss_fn,
+            process_group=group,
+            bucket_cap_mb=bucket_cap_mb,
+            waits=waits,
+            time_limit_seconds=time_limit_seconds,
+        )
+        run = step
+        claimed = step.runner_for(batch).claimed_peak_bytes()
+    else:
+        ddp = DistributedDataParallel(
+            w.model, process_group=group, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=DDP_VARIANTS[variant]
+        )
+        run = _ddp_runner(ddp, optimizer, w.loss_fn)
+    for k in range(warmup_steps):
+        torch.manual_seed(seed + 1000 * (rank + 1) + k)
+        run(batch)
+    gc.collect()
+    dist.barrier(group=group)
+    reset_peak_rss()
+    before = _status_bytes("VmRSS")
+    torch.manual_seed(seed + 1000 * (rank + 1) + warmup_steps)
+    run(batch)
+    peak = _status_bytes("VmHWM")
+    report = {
+        "model": model_name,
+        "batch_size": batch_size,
+        "variant": variant,
+        "rank": rank,
+        "base_bytes": base,
+        "before_step_bytes": before,
+        "peak_bytes": peak,
+        "peak_above_base_bytes": peak - base,
+        "claimed_peak_bytes": claimed,
     }
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, report, group=group)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.fx
+from torch.profiler import record_function
 from torch.utils import _pytree as pytree
 
 import torch
@@ -105,6 +106,9 @@ class DataParallelRunner(StepRunner):
         super().__init__(capture, Plan(tuple(capture_order), plan.offsets, plan.arena_bytes), model, optimizer)
         params = dict(model.named_parameters())
         self._flat = [self._bucket_view(b, params) for b in plan.buckets]
+        # made once: a Python number would be wrapped into a new tensor at every launch; the
+        # kernel reads it as the bucket's dtype either way, as DDP's wrapped 1 / world_size
+        self._scale = torch.tensor(1.0 / self.world_size, dtype=torch.float64)
 
     def _bucket_view(self, bucket, params: dict[str, torch.Tensor]) -> torch.Tensor:
         dtypes = {params[p].dtype for p in bucket.parameters}
@@ -156,24 +160,27 @@ class DataParallelRunner(StepRunner):
 
     def launch(self, k: int) -> None:
         """Start bucket ``k``'s all-reduce: DDP's average, asynchronously, in place."""
-        flat = self._flat[k]
-        flat.mul_(1.0 / self.world_size)
-        event = None
-        if self.record_events:
-            bucket = self.dp_plan.buckets[k]
-            event = CommEvent(bucket.name, bucket.size_bytes, launched=time.perf_counter())
-            self.events.append(event)
-        work = dist.all_reduce(flat, group=self.process_group, async_op=True)
-        if event is not None:
-            work.get_future().add_done_callback(lambda _f, e=event: setattr(e, "done", time.perf_counter()))
+        bucket = self.dp_plan.buckets[k]
+        with record_function(f"memplan.all_reduce:{bucket.name}"):
+            flat = self._flat[k]
+            flat.mul_(self._scale)
+            event = None
+            if self.record_events:
+                event = CommEvent(bucket.name, bucket.size_bytes, launched=time.perf_counter())
+                self.events.append(event)
+            work = dist.all_reduce(flat, group=self.process_group, async_op=True)
+            if event is not None:
+                work.get_future().add_done_callback(lambda _f, e=event: setattr(e, "done", time.perf_counter()))
         self._pending[k] = _Pending(work, event)
 
     def wait(self, k: int) -> None:
+        """Wait until bucket ``k``'s all-reduce is done (its gradients are averaged)."""
         pending = self._pending.pop(k, None)
         if pending is None:
             raise MemplanError(f"bucket {self.dp_plan.buckets[k].name} is waited for before its all-reduce started")
         start = time.perf_counter()
-        pending.work.wait()
+        with record_function(f"memplan.wait:{self.dp_plan.buckets[k].name}"):
+            pending.work.wait()
         if pending.event is not None:
             pending.event.wait_start, pending.event.wait_end = start, time.perf_counter()
 
