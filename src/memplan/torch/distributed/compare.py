@@ -88,10 +88,12 @@ def _ddp_bucket_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
-def ddp_buckets(ddp: DistributedDataParallel) -> list[list[int]]:
-    """DDP's rebuilt buckets, as parameter indices (``model.parameters()`` order)."""
+def ddp_buckets(ddp: DistributedDataParallel) -> list[list[int]] | None:
+    """DDP's rebuilt buckets, as parameter indices (``model.parameters()`` order); ``None``
+    before DDP has logged them (it rebuilds at its second forward, logs a step later)."""
     text = ddp._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices", "")
-    return [[int(i) for i in part.split()] for part in str(text).split(",") if part.strip()]
+    buckets = [[int(i) for i in part.split()] for part in str(text).split(",") if part.strip()]
+    return buckets or None
 
 
 def compare_with_ddp(
@@ -188,7 +190,9 @@ def compare_with_ddp(
         "plan": plan.report,
         "loss_max_abs_diff": loss_diff,
         "param_spread_over_ranks": spread,
-        "buckets_as_ddp": {n: planned_buckets == ddp_buckets(d) for n, d in ddps.items()},
+        "buckets_as_ddp": {
+            n: None if ddp_buckets(d) is None else planned_buckets == ddp_buckets(d) for n, d in ddps.items()
+        },
         "claimed_peak_bytes": runner.claimed_peak_bytes(),
         "runner": {
             "out_bytes": runner.stats.out_bytes,

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 import torch
 from memplan.api import shape_key
@@ -60,6 +61,12 @@ class DataParallelStep:
         recompute_copies: bool = True,
         record_events: bool = False,
     ) -> None:
+        if isinstance(model, DistributedDataParallel):
+            raise MemplanError(
+                "pass the plain module (ddp.module, with process_group=ddp.process_group), not the "
+                "DistributedDataParallel wrapper: memplan does DDP's bucketing itself, and the wrapper's own "
+                "buckets would keep a second copy of every gradient allocated"
+            )
         if not dist.is_available() or not dist.is_initialized():
             raise MemplanError(
                 "torch.distributed is not initialized: call torch.distributed.init_process_group() first "
