@@ -117,6 +117,11 @@ def test_plan_lays_each_bucket_out_as_one_block_and_is_safe(captured, waits: str
         last_input = max(position[p] for p in step.predecessors[layout.all_reduce])
         between = order[last_input + 1 : position[layout.all_reduce]]
         assert all(is_collective(step.ops[v]) for v in between)
+        # early updates (OLLA 4.3) respect the waits: every optimizer op reading a gradient of
+        # the bucket runs after the bucket's wait
+        phase = dict(zip(capture.node_of_op, capture.op_phase, strict=True))
+        readers = {c for g in layout.gradients for c in step.consumers[g] if phase.get(step.ops[c].name) == "optimizer"}
+        assert readers and min(position[c] for c in readers) > position[layout.wait]
         first_reader = min(position[s] for s in step.successors[layout.wait])
         between = order[position[layout.wait] + 1 : first_reader]
         assert all(is_wait(step.ops[v]) for v in between)

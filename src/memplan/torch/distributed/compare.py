@@ -185,6 +185,7 @@ def compare_with_ddp(
         "rank": rank,
         "world_size": dist.get_world_size(group),
         "steps": steps,
+        "compared_steps": len(phases),
         "waits": waits,
         "plan_seconds": round(plan_seconds, 3),
         "plan": plan.report,
@@ -248,13 +249,16 @@ def measure_rss(
 ) -> list[dict[str, Any]] | None:
     """This process's peak resident set (what ``top`` and the OOM killer see) during one
     steady-state data-parallel step of ``variant`` ("memplan", "ddp", "ddp-view") alone, every
-    rank's report on rank 0. ``base_bytes`` is the resident set after the imports and the process
-    group, before the model exists; the peak is read from VmHWM, reset just before the step."""
+    rank's report on rank 0. ``base_bytes`` is the resident set after the imports (OR-Tools, and
+    what creating an optimizer imports: about 70 MB) and the process group, before the model
+    exists; the peak is read from VmHWM, reset just before the step."""
     import gc
 
     rank = dist.get_rank(group)
-    import ortools.sat.python.cp_model  # noqa: F401  (both variants carry the same libraries)
+    # both variants carry the same libraries: the solvers' and what an optimizer imports
+    import ortools.sat.python.cp_model  # noqa: F401
 
+    make_optimizer(optimizer_name, [torch.zeros(1, requires_grad=True)])
     gc.collect()
     base = _status_bytes("VmRSS")
     w = build_workload(model_name, batch_size, seed=seed + rank)

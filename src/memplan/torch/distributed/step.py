@@ -110,6 +110,7 @@ class DataParallelStep:
             self.runners[key] = DataParallelRunner(
                 capture, plan, self.model, self.optimizer, self.process_group, record_events=self.record_events
             )
+            release_free_memory()
         return self.runners[key]
 
     @property
@@ -155,6 +156,24 @@ class DataParallelStep:
         if plan.fingerprint != fingerprints[0]:
             raise MemplanError("the plan rank 0 sent is for another capture; please report it")
         return plan
+
+
+def release_free_memory() -> None:
+    """Hand the heap pages that capture and the solvers freed back to the operating system
+    (glibc's ``malloc_trim``; elsewhere nothing): otherwise the allocator keeps them, and the
+    process's resident set stays as high as planning made it, above what the step needs."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        libc = None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def compile_data_parallel_step(

@@ -40,6 +40,7 @@ def profile_step(fn: Callable[..., Any], *args: Any) -> tuple[Any, list[dict[str
     if not spans:
         return result, []
     t0 = min(float(e["ts"]) for e in spans)
+    comm_threads: dict[Any, int] = {}
     events = []
     for e in spans:
         name = str(e.get("name", ""))
@@ -49,7 +50,10 @@ def profile_step(fn: Callable[..., Any], *args: Any) -> tuple[Any, list[dict[str
             lane = COMM
         else:
             continue
-        events.append({"lane": lane, "name": name, "start_us": float(e["ts"]) - t0, "dur_us": float(e["dur"])})
+        thread = comm_threads.setdefault(e.get("tid"), len(comm_threads)) if lane == COMM else 0
+        events.append(
+            {"lane": lane, "name": name, "start_us": float(e["ts"]) - t0, "dur_us": float(e["dur"]), "thread": thread}
+        )
     return result, _top_level(events)
 
 
@@ -108,10 +112,12 @@ def write_chrome_trace(path: str | Path, runs: dict[str, Sequence[dict[str, Any]
     trace: list[dict[str, Any]] = []
     for pid, (label, events) in enumerate(runs.items()):
         trace.append({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": label}})
-        for tid, lane in enumerate((COMPUTE, COMM)):
+        threads = sorted({e.get("thread", 0) for e in events if e["lane"] == COMM})
+        lanes = [(0, COMPUTE)] + [(1 + k, f"{COMM} (process group thread {k})") for k in threads]
+        for tid, lane in lanes:
             trace.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": lane}})
         for e in events:
-            tid = 0 if e["lane"] == COMPUTE else 1
+            tid = 0 if e["lane"] == COMPUTE else 1 + e.get("thread", 0)
             trace.append(
                 {"ph": "X", "pid": pid, "tid": tid, "name": e["name"], "ts": e["start_us"], "dur": e["dur_us"]}
             )
@@ -119,22 +125,30 @@ def write_chrome_trace(path: str | Path, runs: dict[str, Sequence[dict[str, Any]
 
 
 def plot_timeline(path: str | Path, runs: dict[str, Sequence[dict[str, Any]]], title: str = "") -> None:
-    """A PNG with two lanes (compute, communication) per run; memplan's waits in red."""
+    """A PNG per run with a compute lane (ops blue, memplan's waits red) and a communication
+    lane (each all-reduce orange; a sub-row per process group thread, which may overlap)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 1.4 * len(runs) + 0.8), squeeze=False)
+    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 1.6 * len(runs) + 0.8), squeeze=False)
     span = max((e["start_us"] + e["dur_us"] for ev in runs.values() for e in ev), default=1.0) / 1e6
     for ax, (label, events) in zip(axes[:, 0], runs.items(), strict=True):
-        for row, lane in enumerate((COMPUTE, COMM)):
-            for kind, color in (("op", "tab:blue"), ("wait", "tab:red"), ("comm", "tab:orange")):
-                bars = [
-                    (e["start_us"] / 1e6, e["dur_us"] / 1e6) for e in events if e["lane"] == lane and _kind(e) == kind
-                ]
-                if bars:
-                    ax.broken_barh(bars, (1 - row - 0.4, 0.8), facecolors=color)
+        for kind, color in (("op", "tab:blue"), ("wait", "tab:red")):
+            bars = [(e["start_us"] / 1e6, e["dur_us"] / 1e6) for e in events if _kind(e) == kind]
+            if bars:
+                ax.broken_barh(bars, (0.6, 0.8), facecolors=color)
+        threads = sorted({e.get("thread", 0) for e in events if e["lane"] == COMM}) or [0]
+        height = 0.8 / len(threads)
+        for k in threads:
+            bars = [
+                (e["start_us"] / 1e6, e["dur_us"] / 1e6)
+                for e in events
+                if e["lane"] == COMM and e.get("thread", 0) == k
+            ]
+            if bars:
+                ax.broken_barh(bars, (-0.4 + k * height, height), facecolors="tab:orange", edgecolors="white")
         ax.set_yticks([1, 0], ["compute", "comm"])
         ax.set_xlim(0, span)
         ax.set_title(label, fontsize=9, loc="left")
