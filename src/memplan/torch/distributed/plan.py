@@ -11,7 +11,9 @@ Then, as for one stream (:mod:`memplan.pipeline`), but with SOMAS's safety (Lamp
    update group made contiguous (the runtime runs it as one ``optimizer.step()``), then every
    all-reduce moved to just after its last gradient is ready and every wait to just before
    the first op that needs it (0-byte ops: the move changes no lifetime, it only gives the
-   communication the most time to overlap the backward);
+   communication the most time to overlap the backward), then the waits delayed by the wait
+   policy (:func:`delay_waits`: a memory-optimal order may update a bucket's parameters right
+   after its all-reduce, leaving the compute thread nothing to do while it runs);
 2. offsets safe in every execution of the two streams, each bucket one block
    (:func:`memplan.streams.plan_stream_placement`), checked by enumerating executions
    (:func:`memplan.streams.validate_stream_placement`), which trusts no safe-pair analysis.
@@ -140,9 +142,13 @@ def plan_data_parallel(
 
     * ``"earliest"``: wherever the reordering puts it (the smallest peak: a bucket's updates may
       run right after its all-reduce, whose time the compute stream then waits out);
-    * ``"next-bucket"``: after the next bucket's gradients are ready, so each all-reduce overlaps
-      the backward of the next bucket (two buckets of gradients live at a time, not one);
-    * ``"end-of-backward"``: after the whole backward, as DDP (every gradient lives until then).
+    * ``"next-bucket"``: after the next bucket's all-reduce is launched, so each all-reduce
+      overlaps the backward of the next bucket (two buckets of gradients live at a time, not one);
+    * ``"end-of-backward"``: after the last all-reduce is launched, as DDP waits at the end of
+      the backward (every gradient lives until then).
+
+    A policy moves waits (and the updates behind them) later in the reordered step, which may
+    raise its peak; placement is solved on the final order, so the plan's claim includes that.
     """
     if waits not in WAIT_POLICIES:
         raise MemplanError(f"unknown wait policy {waits!r}; choose one of {', '.join(WAIT_POLICIES)}")
