@@ -64,6 +64,82 @@ def print_run(report: dict[str, Any], console: Console) -> None:
     console.print(f"loss and parameters after every step: {verdict} (max abs diff {report['max_abs_diff']})")
 
 
+def print_data_parallel(reports: list[dict[str, Any]], console: Console) -> None:
+    """The table of ``memplan run --nproc N``: per rank, memplan vs DDP (both bucket settings)."""
+    first = reports[0]
+    table = Table(
+        title=f"{first['model']}  batch {first['batch_size']} per rank  {first['world_size']} ranks (gloo)  "
+        f"{first['steps']} steps"
+    )
+    table.add_column("rank")
+    table.add_column("")
+    for name in first["variants"]:
+        table.add_column(VARIANT_TITLES.get(name, name), justify="right")
+    for r in reports:
+        v = r["variants"]
+        peaks = {n: x["resident_bytes"] + x["step_peak_bytes"] + x["bucket_bytes"] for n, x in v.items()}
+        table.add_row(str(r["rank"]), "measured peak", *(format_bytes(p) for p in peaks.values()))
+        table.add_row("", "step seconds (median)", *(f"{x['step_seconds']:.3f}" for x in v.values()))
+        table.add_row(
+            "", "max abs diff to memplan", *("" if n == "memplan" else str(x["max_abs_diff"]) for n, x in v.items())
+        )
+    console.print(table)
+    plan = first["plan"]
+    console.print(
+        f"plan: {plan['buckets']} buckets as DDP's ({all(first['buckets_as_ddp'].values())}), waits {plan['waits']}, "
+        f"arena {format_bytes(plan['arena_bytes'])} ({plan['placement']['method']}, {plan['placement']['status']}), "
+        f"claimed peak {format_bytes(first['claimed_peak_bytes'])}; safe in every execution checked "
+        f"({plan['stream_check']['states']} {'states' if plan['stream_check']['exhaustive'] else 'executions'})"
+    )
+    verdict = (
+        "identical" if _data_parallel_diff(reports) == 0.0 else f"DIFFER by up to {_data_parallel_diff(reports):.3g}"
+    )
+    console.print(f"loss and parameters on every rank, after every step, vs DistributedDataParallel: {verdict}")
+
+
+VARIANT_TITLES = {"memplan": "memplan", "ddp": "DDP", "ddp-view": "DDP (grad. as bucket view)"}
+
+
+def _data_parallel_diff(reports: list[dict[str, Any]]) -> float:
+    return max(
+        max(r["loss_max_abs_diff"], r["param_spread_over_ranks"], *(x["max_abs_diff"] for x in r["variants"].values()))
+        for r in reports
+    )
+
+
+def run_data_parallel(
+    model: str,
+    batch_size: int,
+    steps: int,
+    nproc: int,
+    optimizer: str,
+    time_limit: float,
+    bucket_cap_mb: float | None,
+    waits: str,
+) -> list[dict[str, Any]]:
+    """Launch ``nproc`` ranks with torchrun (gloo, this machine) and return their reports."""
+    import json
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from memplan.errors import MemplanError
+    from memplan.torch.distributed.worker import launch_command
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "report.json"
+        args = [model, "--batch", str(batch_size), "--steps", str(steps), "--optimizer", optimizer]
+        args += ["--time-limit", str(time_limit), "--waits", waits, "--out", str(out)]
+        if bucket_cap_mb is not None:
+            args += ["--bucket-cap-mb", str(bucket_cap_mb)]
+        done = subprocess.run(launch_command(nproc, args), capture_output=True, text=True)
+        if done.returncode != 0 or not out.exists():
+            errors = [line for line in done.stderr.splitlines() if "Error" in line or "error:" in line]
+            cause = errors[-1].strip() if errors else (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise MemplanError(f"the {nproc} ranks failed (torchrun exit {done.returncode}): {cause}")
+        return json.loads(out.read_text())
+
+
 def run(
     model: Annotated[str, typer.Argument(help="A zoo model name (see `memplan models`).")],
     batch_size: BatchSize = 8,
@@ -79,10 +155,42 @@ def run(
             "views: out= kernels into arena views, the rest to PyTorch's allocator; auto: replay where it builds.",
         ),
     ] = Allocator.auto,
+    nproc: Annotated[
+        int,
+        typer.Option(
+            "--nproc",
+            min=1,
+            help="Ranks (processes) for data-parallel training under torchrun with gloo on this machine; "
+            "above 1, memplan is compared with DistributedDataParallel.",
+        ),
+    ] = 1,
+    bucket_cap_mb: Annotated[
+        float | None, typer.Option("--bucket-cap-mb", help="DDP's bucket size (default: DDP's, 25 MiB).")
+    ] = None,
+    waits: Annotated[
+        str,
+        typer.Option(
+            "--waits",
+            help="Where a bucket's wait goes: earliest (smallest peak), next-bucket (overlap the next bucket's "
+            "backward), end-of-backward (as DDP).",
+        ),
+    ] = "next-bucket",
     json_path: JsonOut = None,
 ) -> None:
-    """Train K steps with memplan and with eager PyTorch from the same state and seed."""
+    """Train K steps with memplan and with eager PyTorch (or, with --nproc N, with DDP) from the same state and seed."""
     from memplan.torch.compare import compare_with_eager
+
+    if nproc > 1:
+        from memplan.errors import MemplanError
+
+        if mode.value != "train":
+            raise MemplanError("--nproc trains data-parallel: it needs --mode train")
+        reports = run_data_parallel(model, batch_size, steps, nproc, optimizer.value, time_limit, bucket_cap_mb, waits)
+        print_data_parallel(reports, Console())
+        write_json(json_path, {"ranks": reports})
+        if _data_parallel_diff(reports) != 0.0:
+            raise typer.Exit(1)
+        return
 
     report = compare_with_eager(
         model, batch_size, steps, mode.value, optimizer.value, time_limit_seconds=time_limit, allocator=allocator.value

@@ -90,6 +90,19 @@ class _Update:
     split: bool = False  # optimizer.step() on ``param_names`` only, not the whole call (run/updates.py)
 
 
+class RunHook:
+    """Extension hook: an instruction a subclass of :class:`StepRunner` adds to the program
+    (``_compile`` returns it among the others), run in the planned sequence as
+    ``hook.run(runner, env)``. It reads no fx value through ``env`` and frees none, so
+    last uses and frees ignore it (used by :mod:`memplan.torch.distributed` for the
+    all-reduce and wait of each gradient bucket)."""
+
+    position: int = -1
+
+    def run(self, runner: StepRunner, env: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
 def plannable_tensors(graph: Graph) -> list[TensorId]:
     """Tensors that live in the arena: non-persistent, non-empty storages."""
     return [TensorId(t) for t, x in enumerate(graph.tensors) if not x.persistent and x.size_bytes > 0]
@@ -227,6 +240,8 @@ class StepRunner:
     def _last_uses(self) -> dict[str, int]:
         last: dict[str, int] = {}
         for ins in self.instructions:
+            if isinstance(ins, RunHook):
+                continue
             nodes = list(ins.grad_nodes) if isinstance(ins, _Update) else _arg_nodes(ins.node)
             for n in nodes:
                 last[n.name] = max(last.get(n.name, -1), ins.position)
@@ -317,6 +332,9 @@ class StepRunner:
         frees = self._frees
         plain = not self.plan.offsets  # the planned allocator serves addresses: ops run as they are
         for ins in self.instructions:
+            if isinstance(ins, RunHook):
+                ins.run(self, env)
+                continue
             if isinstance(ins, _Update):
                 self._update(ins, env)
             elif plain:
