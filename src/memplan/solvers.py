@@ -53,6 +53,21 @@ class _Progress(cp_model.CpSolverSolutionCallback):
             self._report(self.ObjectiveValue(), self.BestObjectiveBound())
 
 
+_STOP: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar("memplan_solver_stop", default=None)
+
+
+@contextlib.contextmanager
+def stopping(event: threading.Event) -> Iterator[None]:
+    """Within this block (in this thread), every solve stops as soon as ``event`` is set, and
+    one started after it is set returns "unknown" at once: how a portfolio running another
+    solver alongside calls off the CP-SAT stages once that solver has the answer."""
+    token = _STOP.set(event)
+    try:
+        yield
+    finally:
+        _STOP.reset(token)
+
+
 def _watchdog(
     solver: cp_model.CpSolver,
     progress: _Progress,
@@ -70,14 +85,8 @@ def _watchdog(
 
     def watch() -> None:
         while not done.wait(poll):
-            if first_only and progress.solutions:
-                stall_seconds_left = None
-            else:
-                stall_seconds_left = stall_seconds
-            stalled = (
-                stall_seconds_left is not None
-                and time.perf_counter() - progress.last_improvement > stall_seconds_left
-            )
+            limit = None if first_only and progress.solutions else stall_seconds
+            stalled = limit is not None and time.perf_counter() - progress.last_improvement > limit
             if stalled or (stop is not None and stop.is_set()):
                 solver.StopSearch()
                 return

@@ -40,7 +40,7 @@ from memplan.torch.capture import Capture, capture_train_step
 from memplan.torch.distributed.plan import DataParallelPlan, bucket_caps, capture_fingerprint, plan_data_parallel
 from memplan.torch.distributed.runner import DataParallelRunner
 from memplan.torch.run.interpreter import allocator_tensors, optimizer_update_groups
-from memplan.torch.run.updates import check_optimizer
+from memplan.torch.run.updates import check_optimizers
 
 
 class DataParallelStep:
@@ -74,7 +74,7 @@ class DataParallelStep:
             )
         if any(t.device.type != "cpu" for t in [*model.parameters(), *model.buffers()]):
             raise MemplanError("memplan's data-parallel step runs on CPU (gloo) for now; keep the model on the CPU")
-        check_optimizer(optimizer, model)
+        check_optimizers([optimizer], model)
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -139,7 +139,7 @@ class DataParallelStep:
             try:
                 box[0] = plan_data_parallel(
                     capture,
-                    update_groups=optimizer_update_groups(capture, self.optimizer),
+                    update_groups=optimizer_update_groups(capture),
                     allocator_tensors=allocator_tensors(capture),
                     bucket_cap_bytes=self.bucket_cap_bytes,
                     first_bucket_cap_bytes=self.first_bucket_cap_bytes,
