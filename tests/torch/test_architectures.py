@@ -6,9 +6,19 @@ from __future__ import annotations
 
 import pytest
 
+import torch
 from memplan.torch.architectures import ARCHITECTURES, FAMILIES, TINY, run_architecture
 
 pytest.importorskip("transformers", reason="the architectures come from HF transformers")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The models are tiny: a second intra-op thread only spins (3x the CPU time on 2 cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def test_the_list_covers_every_family_with_at_least_15_architectures():
