@@ -170,8 +170,8 @@ class CompiledStep:
         return self.runner_for(batch)(batch)
 
     def runner_for(self, batch: Any) -> StepRunner | ReplayedStep:
-        """The runner for this batch's shapes, planned on first use."""
-        key = shape_key(batch)
+        """The runner for this batch's shapes and the model's modes, planned on first use."""
+        key = (shape_key(batch), mode_key(self.model))
         if key not in self.runners:
             capture, plan = plan_step(
                 self.fn,
@@ -206,9 +206,27 @@ class CompiledStep:
 
 
 def shape_key(batch: Any) -> tuple:
+    """What a plan is made for: the batch's structure, each tensor's shape and dtype, and each
+    other leaf's value (``None``, a flag), which the traced step has fixed."""
     leaves, spec = pytree.tree_flatten(batch)
-    shapes = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x) for x in leaves)
+    shapes = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else _leaf_key(x) for x in leaves)
     return (str(spec), shapes)
+
+
+def mode_key(model: torch.nn.Module) -> tuple:
+    """What the traced step fixed about the model that a training loop changes between steps:
+    each module's ``training`` flag (``model.eval()``) and each parameter's ``requires_grad``
+    (freezing, unfreezing). Another mode gets another plan, never a stale one."""
+    return (
+        tuple(m.training for m in model.modules()),
+        tuple(p.requires_grad for p in model.parameters()),
+    )
+
+
+def _leaf_key(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return (type(value), value)
+    return type(value)
 
 
 def compile(  # the name PyTorch users know (torch.compile)

@@ -6,16 +6,72 @@ from __future__ import annotations
 import copy
 
 from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 
 import torch
+
+
+class CaptureFakeMode(FakeTensorMode):
+    """The FakeTensorMode of capture. Two things differ from PyTorch's, in this class only (no
+    other fake mode of the process changes):
+
+    - fake kernels for the ops whose meta function is narrower than their CPU kernel:
+      ``aten._grouped_mm``, which HF's mixture-of-experts layers (Mixtral, Qwen-MoE, ...)
+      call on CPU in float32, while its meta accepts bfloat16 only (it checks the CUDA
+      kernel's rules);
+    - every literal the step makes from Python values (``torch.tensor(0)``: a real tensor
+      lifted into the mode) is recorded in ``literals``, so capture can check that two runs of
+      the step make the same ones (:mod:`memplan.torch.capture.literals`).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.literals: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _LIFTS and args and isinstance(args[0], torch.Tensor) and not is_fake(args[0]):
+            self.literals.append(args[0].detach().clone())
+        if func is torch.ops.aten._grouped_mm.default:
+            shape = _cpu_grouped_mm_shape(*args, **kwargs)
+            if shape is not None:
+                dtype = kwargs.get("out_dtype") or args[0].dtype
+                empty = torch.ops.aten.empty.memory_format
+                return super().__torch_dispatch__(empty, types, (shape,), {"dtype": dtype, "device": args[0].device})
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+_LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+
+
+def take_literals(mode: FakeTensorMode) -> list[torch.Tensor] | None:
+    """The literals recorded since the last call (None: ``mode`` does not record them)."""
+    if not isinstance(mode, CaptureFakeMode):
+        return None
+    literals, mode.literals = mode.literals, []
+    return literals
+
+
+def _cpu_grouped_mm_shape(mat_a, mat_b, offs=None, bias=None, out_dtype=None) -> tuple[int, ...] | None:
+    """The output shape of ``_grouped_mm`` on a CPU tensor that is not bfloat16 (its CPU
+    kernel returns a contiguous tensor); None where PyTorch's own meta decides."""
+    if mat_a.device.type != "cpu" or mat_a.dtype == torch.bfloat16:
+        return None
+    a_2d, b_2d = mat_a.dim() == 2, mat_b.dim() == 2
+    if a_2d and b_2d:
+        return (offs.shape[0], mat_a.shape[0], mat_b.shape[1])
+    if a_2d:
+        return (mat_a.shape[0], mat_b.shape[-1])
+    if b_2d:
+        return (mat_a.shape[1], mat_b.shape[1])
+    return (mat_a.shape[0], mat_a.shape[1], mat_b.shape[-1])
 
 
 def new_fake_mode() -> FakeTensorMode:
     """The mode capture traces in. Real tensors that the step creates itself are allowed as
     inputs (foreach Adam adds ``torch.tensor(1.0)`` to its CPU step counts): they become
     constants of the traced program."""
-    return FakeTensorMode(allow_non_fake_inputs=True)
+    return CaptureFakeMode(allow_non_fake_inputs=True)
 
 
 def fake_mode_of(model: torch.nn.Module, *tensors: object) -> FakeTensorMode | None:
@@ -45,7 +101,7 @@ def fake_clone_module(model: torch.nn.Module, mode: FakeTensorMode) -> tuple[tor
     def clone(module: torch.nn.Module) -> torch.nn.Module:
         if id(module) in clones:
             return clones[id(module)]
-        new = copy.copy(module)
+        new = _shallow_copy(module)
         clones[id(module)] = new
         new._parameters = {k: None if p is None else fake_of(p) for k, p in module._parameters.items()}
         new._buffers = {k: None if b is None else fake_of(b) for k, b in module._buffers.items()}
@@ -53,6 +109,14 @@ def fake_clone_module(model: torch.nn.Module, mode: FakeTensorMode) -> tuple[tor
         return new
 
     return clone(model), fakes
+
+
+def _shallow_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """``copy.copy`` without ``__getstate__``, which a parametrized module (weight norm, as in
+    wav2vec2's positional convolution) refuses to run."""
+    new = object.__new__(type(module))
+    new.__dict__.update(module.__dict__)
+    return new
 
 
 def fake_clone_optimizer(

@@ -30,7 +30,8 @@ import torch
 from memplan.errors import CaptureError, DataDependentControlFlow, DynamicShape, UnsupportedOp
 from memplan.graph.check import validate_graph
 from memplan.graph.ir import Category, Graph, Op, OpId, Tensor, TensorId
-from memplan.torch.capture.fake import fake_clone_module, fake_mode_of, new_fake_mode
+from memplan.torch.capture.fake import fake_clone_module, fake_mode_of, new_fake_mode, take_literals
+from memplan.torch.capture.literals import check_literals_repeat
 from memplan.torch.capture.marks import BACKWARD_MARK, CALL_KIND, CALL_MARK, RELEASE_KIND
 from memplan.torch.capture.regions import CallRegion, RegionRecorder
 from memplan.torch.capture.swap import SCALER_TENSORS, FakeSwap
@@ -54,6 +55,9 @@ class Capture:
     op_phase: list[str] = field(default_factory=list)  # "input", "forward", "backward", "optimizer"
     grad_storage_by_param: dict[str, int] = field(default_factory=dict)  # param name -> storage key
     batch_spec: Any = None  # pytree spec of the flattened batch the step takes
+    # position in the flattened batch -> a leaf that is not a tensor (None, a flag): the trace
+    # fixed its value, so a batch must bring the same one (see batch_constants)
+    batch_constants: dict[int, Any] = field(default_factory=dict)
     recomputed: list[str] = field(default_factory=list)  # copies run again in the backward (recompute.py)
     # param name -> {state key: ("tensor", shape, dtype) or ("value", type name)}: the optimizer
     # state as eager's step leaves it (read off the fake optimizer after the traced step)
@@ -142,10 +146,11 @@ def capture_step(
 
     recorder = RegionRecorder(model, optimizers, scaler, schedulers)
     with FakeSwap(mode, model, optimizers, scaler), recorder.installed():
-        if any(not opt.state for opt in optimizers):
-            with mode:
-                _guarded(run, flat)  # creates the optimizers' state lazily: plan the steady state
-            _refuse_leftover_gradients(model)
+        take_literals(mode)
+        with mode:  # creates the optimizers' state lazily (plan the steady state), shows the literals
+            _guarded(run, flat)
+        _refuse_leftover_gradients(model)
+        earlier_literals = take_literals(mode)
         recorder.reset()
         with mode:
             grads = _GradRecorder(model)
@@ -171,6 +176,7 @@ def capture_step(
         recomputed = recompute(gm, lambda g: to_capture(g, 0.0).graph)
         gm.recompile()
     capture = to_capture(gm, time.perf_counter() - start)
+    check_literals_repeat(gm, dict(zip(capture.node_of_op, capture.op_phase, strict=True)), earlier_literals)
     capture.recomputed = recomputed
     capture.grad_storage_by_param = dict(grads.by_param)
     capture.optimizer_state_meta = state_meta
@@ -178,7 +184,14 @@ def capture_step(
     capture.batch_spec = spec
     capture.optimizers = list(optimizers)
     capture.scaler = scaler
+    capture.batch_constants = batch_constants(flat)
     return capture
+
+
+def batch_constants(flat: Sequence[Any]) -> dict[int, Any]:
+    """The leaves of a flattened batch that are not tensors, by position: ``None`` for an
+    absent target, a flag, a number. ``make_fx`` traces the step for these very values."""
+    return {i: leaf for i, leaf in enumerate(flat) if not isinstance(leaf, torch.Tensor)}
 
 
 def _refuse_leftover_gradients(model: torch.nn.Module) -> None:
@@ -217,10 +230,16 @@ def capture_infer_step(model: torch.nn.Module, inputs: Any, *, name: str = "") -
             return call_model(model, pytree.tree_unflatten(flat_inputs, spec))
 
     flat, spec = pytree.tree_flatten(inputs)
+    take_literals(mode)
+    with mode:
+        _guarded(step, flat)  # once untraced: shows the literals the step makes
+    earlier_literals = take_literals(mode)
     start = time.perf_counter()
     gm = _trace(step, flat)
     capture = _to_capture(gm, categories, set(), "infer", time.perf_counter() - start, name)
+    check_literals_repeat(gm, dict(zip(capture.node_of_op, capture.op_phase, strict=True)), earlier_literals)
     capture.batch_spec = spec
+    capture.batch_constants = batch_constants(flat)
     return capture
 
 
@@ -291,29 +310,49 @@ def _trace(step: Callable, flat: Sequence[torch.Tensor]) -> torch.fx.GraphModule
 
 
 def _guarded(fn: Callable, *args: Any) -> Any:
-    """Run ``fn`` and turn what goes wrong into one-line capture errors (cause chained)."""
+    """Run ``fn`` and turn what goes wrong into one-line capture errors (cause chained), each
+    naming the line of the user's (or the model library's) code where it happened."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
     try:
         return fn(*args)
     except DynamicOutputShapeException as err:
         raise DynamicShape(
-            f"op {err.func} has an output whose size depends on the data; memplan plans static shapes "
-            "only: move it out of the step or give it a fixed size"
+            f"op {err.func}{_where(err)} has an output whose size depends on the data; memplan plans static "
+            "shapes only: move it out of the step or give it a fixed size"
         ) from None
     except DataDependentOutputException as err:
         raise DataDependentControlFlow(
-            f"the step reads a tensor's value ({err.func}) to decide what to run (data-dependent control flow); "
-            "memplan needs a step whose ops do not depend on data: remove the branch or capture each branch"
+            f"the step reads a tensor's value ({err.func}{_where(err)}) to decide what to run (data-dependent "
+            "control flow); memplan needs a step whose ops do not depend on data: remove the branch or capture "
+            "each branch"
         ) from None
     except Exception as err:
         if "data-dependent" in str(err) or "GuardOnDataDependent" in type(err).__name__:
             raise DataDependentControlFlow(
-                "the step branches on a tensor's value (data-dependent control flow); memplan needs a step "
-                "whose ops do not depend on data: remove the branch or capture each branch"
+                f"the step branches on a tensor's value{_where(err)} (data-dependent control flow); memplan needs "
+                "a step whose ops do not depend on data: remove the branch or capture each branch"
             ) from None
         first_line = (str(err).strip().splitlines() or [""])[0]
-        raise CaptureError(f"the step raised {type(err).__name__} while being captured: {first_line}") from err
+        raise CaptureError(
+            f"the step raised {type(err).__name__}{_where(err)} while being captured: {first_line}"
+        ) from err
+
+
+def _where(err: BaseException) -> str:
+    """`` at FILE:LINE``: the innermost frame of the traceback outside torch and memplan (the
+    user's model, or the library it comes from), or nothing."""
+    import traceback
+    from pathlib import Path
+
+    skipped = (Path(torch.__file__).parent, Path(__file__).parents[2])
+    for frame in reversed(traceback.extract_tb(err.__traceback__)):
+        path = Path(frame.filename)
+        if not any(path.is_relative_to(root) for root in skipped) and not frame.filename.startswith("<"):
+            parts = path.parts
+            short = "/".join(parts[parts.index("site-packages") + 1 :]) if "site-packages" in parts else path.name
+            return f" at {short}:{frame.lineno}"
+    return ""
 
 
 # --------------------------------------------------------------------------- fx -> Graph

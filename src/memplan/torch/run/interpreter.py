@@ -26,9 +26,10 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch
-from memplan.errors import MemplanError, UnsupportedOp
+from memplan.errors import MemplanError
 from memplan.graph.ir import Graph, TensorId
 from memplan.torch.capture import Capture
+from memplan.torch.run.constants import bind_constants
 from memplan.torch.run.selfcheck import SelfCheck
 from memplan.torch.run.updates import UpdateGroup, check_optimizers, update_groups
 from memplan.torch.tensors import storage_key, tensor_leaves
@@ -148,7 +149,9 @@ class StepRunner:
         self.stats = RunStats()
         self._params = dict(model.named_parameters())
         self._buffers = dict(model.named_buffers())
-        self._attrs: dict[str, Any] | None = None
+        constants = bind_constants(capture, model, self.arena.device, scaler)
+        self._static_constants = {b.node: b.fetch() for b in constants if b.static}
+        self._live_constants = [b for b in constants if not b.static]
         self.self_check = SelfCheck(capture, model, self.optimizers, scaler)
         self._next_check: str | None = "full"
         self.last_step_observed = False
@@ -367,45 +370,12 @@ class StepRunner:
         placeholders = [n for n in self.capture.gm.graph.nodes if n.op == "placeholder"]
         if spec != self.capture.batch_spec or len(flat) != len(placeholders):
             raise MemplanError("the batch does not have the structure of the example batch the plan was made for")
-        for node, value in zip(placeholders, flat, strict=True):
-            expected = node.meta["val"]
-            if isinstance(value, torch.Tensor) and (value.shape != expected.shape or value.dtype != expected.dtype):
-                raise MemplanError(
-                    f"batch tensor of shape {tuple(value.shape)} {value.dtype} does not match the plan's "
-                    f"{tuple(expected.shape)} {expected.dtype}: make a plan for this shape"
-                )
+        for position, (node, value) in enumerate(zip(placeholders, flat, strict=True)):
+            _check_batch_leaf(position, value, node.meta.get("val"), self.capture.batch_constants)
             env[node.name] = value
-        if self._attrs is None:
-            self._attrs = {n.name: self._real_attr(n) for n in self.capture.gm.graph.nodes if n.op == "get_attr"}
-        env.update(self._attrs)
-
-    def _read_by_optimizer_only(self, node: torch.fx.Node) -> bool:
-        """A constant only the traced optimizer reads (``torch.tensor(1.0)`` in foreach Adam):
-        the real optimizer makes its own, so its value is never needed."""
-        phase = dict(zip(self.capture.node_of_op, self.capture.op_phase, strict=True))
-        return all(phase.get(user.name) == "optimizer" for user in node.users)
-
-    def _real_attr(self, node: torch.fx.Node) -> Any:
-        fake = getattr(self.capture.gm, node.target)
-        t = self.capture.tensor_of_storage.get(storage_key(fake))
-        name = self.graph.tensors[t].name if t is not None else ""
-        kind, _, key = name.partition(":")
-        if kind == "param":
-            return self._params[key]
-        if kind == "buffer":
-            return self._buffers[key]
-        if kind == "state":
-            return None  # read only by optimizer ops, which the real optimizer runs
-        if kind == "scaler":
-            return getattr(self.scaler, key)
-        constant = getattr(fake, "constant", None)
-        if constant is not None:
-            return constant
-        if fake.numel() == 0:
-            return torch.empty(fake.shape, dtype=fake.dtype, device=self.arena.device)
-        if self._read_by_optimizer_only(node):
-            return None
-        raise UnsupportedOp(f"the step uses a constant tensor {node.target} whose value capture could not keep")
+        env.update(self._static_constants)
+        for binding in self._live_constants:
+            env[binding.node] = binding.fetch()
 
     def _execute(self, ins: _Call, env: dict[str, Any]) -> Any:
         args, kwargs = ins.fetch(env)
@@ -529,6 +499,34 @@ def _same_call(node: torch.fx.Node, func: Any, args: Any, kwargs: dict[str, Any]
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _check_batch_leaf(position: int, value: Any, expected: Any, constants: dict[int, Any]) -> None:
+    """A batch leaf fits the plan: a tensor of the traced shape and dtype, or the very value
+    (``None``, a flag) the step was traced with."""
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(value, torch.Tensor):
+            raise MemplanError(f"batch leaf {position} is {type(value).__name__} where the plan has a tensor")
+        if value.shape != expected.shape or value.dtype != expected.dtype:
+            raise MemplanError(
+                f"batch tensor of shape {tuple(value.shape)} {value.dtype} does not match the plan's "
+                f"{tuple(expected.shape)} {expected.dtype}: make a plan for this shape"
+            )
+        return
+    if position in constants and not _same_constant(value, constants[position]):
+        raise MemplanError(
+            f"batch leaf {position} is {value!r} where the plan was traced with {constants[position]!r}: "
+            "a batch value that is not a tensor is fixed in the plan; make a plan for this value"
+        )
+
+
+def _same_constant(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # a value without a plain equality: only the same object is the same
+        return a is b
 
 
 def allocator_tensors(capture: Capture) -> set[TensorId]:

@@ -1,0 +1,62 @@
+"""Literals: tensors a step makes from Python values (``torch.tensor(0)``, ``torch.tensor([])``).
+
+``make_fx`` keeps each as a constant of the traced program, with the value it had while the
+step was traced, and the program copies it (``lift_fresh_copy``). A literal made from a value
+that changes from one step to the next (a Python counter, ``random.random()``) would be frozen
+in the plan, silently stale. Capture runs the step once untraced before tracing it, and
+:func:`check_literals_repeat` refuses a plan whose traced literals (those read outside the
+optimizer, which the runtime never runs traced) the earlier run did not make with the same
+dtype, shape and bits.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch.fx
+
+import torch
+from memplan.errors import CaptureError
+
+
+def is_literal(node: torch.fx.Node) -> bool:
+    """A ``get_attr`` node of a literal: every user copies it (``lift_fresh_copy``)."""
+    return bool(node.users) and all(user.target is torch.ops.aten.lift_fresh_copy.default for user in node.users)
+
+
+def literal_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """A literal's dtype, shape and bits."""
+    flat = t.detach().contiguous().reshape(-1)
+    return (t.dtype, tuple(t.shape), tuple(flat.view(torch.uint8).tolist()) if flat.numel() else ())
+
+
+def check_literals_repeat(
+    gm: torch.fx.GraphModule, op_phase: dict[str, str], earlier: list[torch.Tensor] | None
+) -> None:
+    """Raise :class:`CaptureError` when a literal the traced step reads outside the optimizer
+    was not made, with the same value, by the untraced run before (``earlier``; None: not
+    recorded, nothing to check). ``op_phase`` maps an fx node name to its phase."""
+    if earlier is None:
+        return
+    available = Counter(literal_key(t) for t in earlier)
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or not is_literal(node):
+            continue
+        if all(op_phase.get(user.name) == "optimizer" for user in node.users):
+            continue  # the runtime runs the user's optimizer, which makes its own
+        value = getattr(gm, node.target)
+        key = literal_key(value)
+        if available[key] == 0:
+            raise CaptureError(
+                f"the step makes a tensor from Python values ({_short(value)}) that differ between two runs of the "
+                "step (a counter, a Python random draw?); a plan would freeze it: pass it in the batch or keep it "
+                "in a buffer"
+            )
+        available[key] -= 1
+
+
+def _short(t: torch.Tensor) -> str:
+    if t.numel() <= 4:
+        return f"torch.tensor({t.tolist()!r}, dtype={t.dtype})"
+    return f"a {tuple(t.shape)} {t.dtype} tensor"
