@@ -330,7 +330,7 @@ def _split(batch: Batch, parts: int) -> list[Batch]:
 
 def _max_abs_diff(a: Setup, b: Setup) -> float:
     diffs = [
-        float((x.double() - y.double()).abs().max())
+        float((x.detach().double() - y.detach().double()).abs().max())
         for x, y in zip(a.model.parameters(), b.model.parameters(), strict=True)
     ]
     return max(diffs, default=0.0)

@@ -5,7 +5,9 @@ copies: it traces the user's objects with their tensors replaced by FakeTensors 
 shapes (no memory is allocated, no value is changed). Swapped: every module's parameters and
 buffers (tied tensors stay tied), every optimizer's parameter lists and state, the scaler's
 scale and growth tracker, and the optimizers' step hooks (a user's hook must not see fakes).
-On exit, even after an error, every dict, list and attribute is put back as it was.
+On exit, even after an error, every dict, list and attribute is put back as it was, and every
+module's attributes are what they were before capture (a counter the forward increments, a
+cache it leaves behind: the capture's fake runs leave no trace on the user's model).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class FakeSwap:
         self.scaler = scaler
         self.fakes: dict[int, torch.Tensor] = {}
         self._restore: list[tuple[Any, str, Any]] = []
+        self._module_dicts: list[tuple[torch.nn.Module, dict[str, Any]]] = []
 
     def fake_of(self, t: torch.Tensor) -> torch.Tensor:
         """The fake standing in for ``t`` (one per real tensor; fakes stay as they are)."""
@@ -69,6 +72,10 @@ class FakeSwap:
             else:
                 setattr(owner, key, value)
         self._restore = []
+        for module, saved in self._module_dicts:
+            module.__dict__.clear()
+            module.__dict__.update(saved)
+        self._module_dicts = []
 
     def _set(self, owner: Any, key: str, value: Any) -> None:
         self._restore.append((owner, key, owner[key] if isinstance(owner, dict) else getattr(owner, key)))
@@ -79,6 +86,7 @@ class FakeSwap:
 
     def _swap_model(self) -> None:
         for module in self.model.modules():
+            self._module_dicts.append((module, dict(module.__dict__)))
             params = {k: None if p is None else self.fake_of(p) for k, p in module._parameters.items()}
             buffers = {k: None if b is None else self.fake_of(b) for k, b in module._buffers.items()}
             self._set(module, "_parameters", params)
