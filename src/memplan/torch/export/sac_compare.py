@@ -54,19 +54,25 @@ def compare_sac_with_eager(
     time_limit_seconds: float = 30.0,
     seed: int = 0,
     regions: list[str] | None = None,
+    capture: Capture | None = None,
+    schedule: Any = None,
 ) -> dict[str, Any]:
     """Plan ``model_name`` within ``budget`` (bytes, or a fraction of the checkpoint-all peak),
     turn the plan into a :class:`SACPolicy`, and train ``steps`` steps plus one measured step
-    eagerly with and without it. Returns numerics, peaks and step times."""
+    eagerly with and without it. Returns numerics, peaks and step times. ``capture`` and
+    ``schedule``: use that plan (of :func:`capture_for_sac`'s capture) instead of planning."""
     from memplan.remat import sequence_peak_bytes
     from memplan.torch.compare import _max_abs_diff
     from memplan.torch.measure import allocator_peak_bytes, optimizer_state_tensors, resident_bytes
     from memplan.torch.run.remat import plan_remat
     from memplan.torch.zoo import build_workload, make_optimizer
 
-    capture = capture_for_sac(model_name, batch_size, optimizer_name)
+    capture = capture or capture_for_sac(model_name, batch_size, optimizer_name)
     started = time.perf_counter()
-    schedule, budget_bytes, top = plan_remat(capture, budget, strategy, time_limit_seconds)
+    if schedule is None:
+        schedule, budget_bytes, top = plan_remat(capture, budget, strategy, time_limit_seconds)
+    else:
+        budget_bytes, top = schedule.budget_bytes, None
     plan_seconds = time.perf_counter() - started
     planned = sequence_peak_bytes(capture.graph, schedule.steps)
     policy = SACPolicy.from_schedule(capture, schedule, model=model_name, batch_size=batch_size)
