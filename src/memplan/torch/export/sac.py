@@ -1,6 +1,8 @@
 """memplan's recompute decision as a selective-activation-checkpointing policy for the user's
-own eager (or ``torch.compile``) loop: ``torch.utils.checkpoint.create_selective_checkpoint_contexts``
-with a policy that answers ``MUST_SAVE`` or ``PREFER_RECOMPUTE`` for every ATen op of the forward.
+own eager loop: ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` with a policy
+that answers ``MUST_SAVE`` or ``PREFER_RECOMPUTE`` for every ATen op of the forward (under
+``torch.compile``, :mod:`memplan.torch.export.backend` puts the same decision into AOTAutograd's
+partitioner instead).
 
 A remat plan (:func:`memplan.remat.rematerialize`, Checkmate section 4) decides, op by op, which
 forward values stay resident until the backward reads them and which are dropped and computed
@@ -19,12 +21,16 @@ again. SAC asks the same question of every op that runs inside a checkpointed re
   ``bernoulli_``, ``div_``): all its ops -> ``PREFER_RECOMPUTE``, since SAC cannot cache the
   value of an in-place chain (see :func:`_in_place_chains`).
 
-Which graph op an ATen call is: the capture (``make_fx``) recorded the forward's ATen calls in
-order, and a dispatch mode :meth:`SACPolicy.attach` installs on the model counts the calls of
-each real forward the same way (SAC's own mode only sees the calls inside checkpointed regions,
-so it cannot tell where in the forward it is). Calls are matched by op in order; a call that
-does not match is counted in :attr:`SACPolicy.stats` and gets ``PREFER_RECOMPUTE`` (or
-``MUST_SAVE`` if it is random). Only ops inside checkpointed regions are affected: choose the
+Which captured op an ATen call is: the capture (``make_fx`` on fake tensors) recorded the
+forward's ATen calls in order. :meth:`SACPolicy.attach` records the calls of one real forward
+(a dispatch mode; the random stream and the buffers are left as they were) and aligns the
+two sequences (:func:`align_calls`: they differ where Python reads a tensor's value, which a
+fake tensor cannot give), then counts the calls of every forward with hooks on the model, so
+the policy knows where in the forward each call is (SAC's own mode only sees the calls inside
+checkpointed regions). A call aligned with no captured op is counted in
+:attr:`SACPolicy.stats` and recomputed (saved if it writes running statistics). Detaches are
+ignored on both sides, as SAC ignores them. Only ops inside checkpointed regions are
+affected: choose the
 regions with :meth:`SACPolicy.apply` (default: the repeated layers, every module held in an
 ``nn.ModuleList``), with HF's ``gradient_checkpointing_enable(gradient_checkpointing_kwargs=
 {"use_reentrant": False, "context_fn": policy.context_fn})``, or with your own ``checkpoint`` calls.
