@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 import typer
@@ -24,6 +25,10 @@ for _name in COMMAND_MODULES:
 
 def main() -> None:
     """Entry point: a MemplanError becomes one line on stderr and exit code 2."""
+    # kineto (under torch.profiler, which memplan uses to measure memory) prints "USDT: ...
+    # profiler_start/stop" lines on stderr unless its log level is above all its severities;
+    # it reads the level once, when the profiler first starts (see memplan.torch.measure)
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     try:
         app(standalone_mode=False)
     except MemplanError as err:

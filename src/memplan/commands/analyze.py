@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from memplan.commands.console import Quiet, console, load_source_with_progress, set_quiet
 from memplan.commands.options import (
     BatchSize,
     JsonOut,
@@ -27,7 +28,6 @@ from memplan.graph.ir import Graph
 from memplan.graph.liveness import peak_bytes
 from memplan.graph.multistream import is_multi_stream
 from memplan.report.format import format_bytes
-from memplan.sources import load_source
 
 
 def analysis_report(graph: Graph) -> dict[str, Any]:
@@ -76,18 +76,22 @@ def analyze(
     time_limit: Annotated[
         float, typer.Option("--time-limit", min=0.01, help="Seconds for a multi-stream graph's placement.")
     ] = 10.0,
+    quiet: Quiet = False,
 ) -> None:
     """Capture a step and print its size, its program-order peak and a lower bound; for a
     multi-stream graph also its safe pairs and safe placements (SOMAS)."""
-    graph = load_source(source, batch_size=batch_size, mode=mode.value, optimizer=optimizer.value)
+    set_quiet(quiet)
+    graph = load_source_with_progress(source, batch_size=batch_size, mode=mode.value, optimizer=optimizer.value)
     report = analysis_report(graph)
-    console = Console()
-    print_analysis(report, console)
+    out = console()
+    print_analysis(report, out)
     if is_multi_stream(graph):
+        from memplan.commands.console import progress
         from memplan.streams.report import print_stream_report, stream_report
 
-        report["streams"] = stream_report(graph, time_limit_seconds=time_limit)
-        print_stream_report(report["streams"], console)
+        with progress("placing the streams' tensors (SOMAS)"):
+            report["streams"] = stream_report(graph, time_limit_seconds=time_limit)
+        print_stream_report(report["streams"], out)
     write_json(json_path, report)
 
 
@@ -97,26 +101,29 @@ def capture(
     batch_size: BatchSize = 1,
     mode: ModeOption = Mode.train,
     optimizer: OptimizerOption = OptimizerName.sgd,
+    quiet: Quiet = False,
 ) -> None:
     """Capture a zoo model's step and write it as a GRAPH.json that every command reads."""
+    set_quiet(quiet)
     if output.exists() and output.suffix != ".json":
         raise MemplanError(f"refusing to overwrite {output}: the output must be a .json file")
-    graph = load_source(source, batch_size=batch_size, mode=mode.value, optimizer=optimizer.value)
+    graph = load_source_with_progress(source, batch_size=batch_size, mode=mode.value, optimizer=optimizer.value)
     write_graph_json(graph, output)
-    Console().print(f"wrote {output}: {graph.num_ops} ops, {graph.num_tensors} tensors")
+    console().print(f"wrote {output}: {graph.num_ops} ops, {graph.num_tensors} tensors")
 
 
-def models() -> None:
+def models(quiet: Quiet = False) -> None:
     """List the model zoo (nothing is downloaded: HF models are built from configs)."""
     from memplan.torch.zoo import ZOO
 
+    set_quiet(quiet)
     table = Table(title="memplan model zoo")
     table.add_column("name")
     table.add_column("source")
     table.add_column("description")
     for entry in ZOO.values():
         table.add_row(entry.name, entry.source, entry.description)
-    Console().print(table)
+    console().print(table)
 
 
 def register(app: typer.Typer) -> None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from memplan.commands.console import Quiet, console, load_source_with_progress, progress, set_quiet
 from memplan.commands.options import (
     BatchSize,
     JsonOut,
@@ -18,15 +21,22 @@ from memplan.commands.options import (
     Source,
     write_json,
 )
+from memplan.errors import MemplanError
 from memplan.graph.ir import Graph
 from memplan.graph.liveness import peak_bytes
 from memplan.graph.multistream import is_multi_stream
 from memplan.report.format import format_bytes, format_percent
 from memplan.schedule import ScheduleResult, optimize_order
-from memplan.sources import load_source
 
 TimeLimit = Annotated[float, typer.Option("--time-limit", min=0.01, help="Seconds the exact solver may run.")]
 MethodOption = Annotated[str, typer.Option("--method", help="auto | ilp | heuristic")]
+TraceOut = Annotated[
+    Path | None, typer.Option("--trace", help="Write the optimised order as a Chrome/Perfetto trace (JSON).")
+]
+SnapshotOut = Annotated[
+    Path | None,
+    typer.Option("--snapshot", help="Write the plan as a PyTorch memory snapshot (.pickle, for memory_viz)."),
+]
 
 
 def placement_report(graph: Graph, order: list[int], time_limit_seconds: float) -> dict[str, Any]:
@@ -96,23 +106,56 @@ def optimize(
     time_limit: TimeLimit = 30.0,
     method: MethodOption = "auto",
     json_path: JsonOut = None,
-    progress: Annotated[bool, typer.Option("--progress/--quiet", help="Log the solver's progress.")] = True,
+    log_solver: Annotated[
+        bool, typer.Option("--progress/--no-progress", help="Log every better order the exact solver finds.")
+    ] = False,
+    trace: TraceOut = None,
+    snapshot: SnapshotOut = None,
+    quiet: Quiet = False,
 ) -> None:
     """Find the order of the ops with the smallest peak (OLLA's lifetime optimisation)."""
-    graph = load_source(source, batch_size=batch_size, mode=mode.value, optimizer=optimizer.value)
-    result = optimize_order(graph, time_limit_seconds=time_limit, method=method, progress=progress)
+    set_quiet(quiet)
+    graph = load_source_with_progress(source, batch_size=batch_size, mode=mode.value, optimizer=optimizer.value)
+    log = log_solver and not quiet
+    with progress("reordering") if not log else contextlib.nullcontext():
+        result = optimize_order(graph, time_limit_seconds=time_limit, method=method, progress=log)
     report = optimize_report(graph, result)
-    console = Console()
+    out = console()
     if is_multi_stream(graph):  # one order's lifetimes do not say what may share: place by safe pairs
         from memplan.streams.report import print_stream_report, stream_report
 
-        print_report(report, console)
-        report["streams"] = stream_report(graph, list(result.order), time_limit_seconds=time_limit)
-        print_stream_report(report["streams"], console, "multi-stream placement of the optimised order")
+        if snapshot is not None:
+            raise MemplanError("--snapshot needs one arena; a multi-stream graph is placed by safe pairs (use --trace)")
+        print_report(report, out)
+        with progress("placing the streams' tensors (SOMAS)"):
+            report["streams"] = stream_report(graph, list(result.order), time_limit_seconds=time_limit)
+        print_stream_report(report["streams"], out, "multi-stream placement of the optimised order")
     else:
-        report.update(placement_report(graph, list(result.order), time_limit))
-        print_report(report, console)
+        with progress("placing"):
+            report.update(placement_report(graph, list(result.order), time_limit))
+        print_report(report, out)
+        if snapshot is not None:
+            report["snapshot"] = write_plan_snapshot(graph, list(result.order), time_limit, snapshot)
+            out.print(f"wrote {snapshot} (open it at https://pytorch.org/memory_viz)")
+    if trace is not None:
+        from memplan.torch.export.chrome_trace import plan_trace, write_trace
+
+        write_trace(plan_trace(graph, list(result.order)), trace)
+        report["trace"] = str(trace)
+        out.print(f"wrote {trace} (estimated op times; open it at https://ui.perfetto.dev)")
     write_json(json_path, report)
+
+
+def write_plan_snapshot(graph: Graph, order: list[int], time_limit: float, path: Path) -> dict[str, Any]:
+    """The optimised order, placed, as a memory snapshot (PyTorch's memory visualizer)."""
+    from memplan.pipeline import place_order
+    from memplan.torch.export.snapshot import check_snapshot, plan_snapshot, write_snapshot
+
+    offsets, placement = place_order(graph, order, time_limit)
+    snap = plan_snapshot(graph, order, offsets, placement.arena_bytes)
+    numbers = check_snapshot(snap)
+    write_snapshot(snap, path)
+    return {"path": str(path), **numbers}
 
 
 def register(app: typer.Typer) -> None:

@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
+from memplan.commands.console import Quiet, console, progress, set_quiet
 from memplan.commands.options import write_json
 from memplan.errors import MemplanError
 from memplan.placement import (
@@ -81,21 +82,26 @@ def place_command(
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write id,lower,upper,size,offset.")] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the numbers as JSON.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Draw time x address to this PNG.")] = None,
+    quiet: Quiet = False,
 ) -> None:
     """Give every buffer a static offset in one arena, as small as possible (OLLA, Sekiyama)."""
+    set_quiet(quiet)
     _refuse_clash(source, output, json_path, plot)
     problem = load_problem(source, capacity, alignment)
-    placement = place(problem, time_limit_seconds=time_limit, method=method)
+    with progress(f"placing {problem.num_buffers} buffers"):
+        placement = place(problem, time_limit_seconds=time_limit, method=method)
     report = placement_report(problem, placement)
     write_json(json_path, report)
     if plot is not None:
         from memplan.report.placement_plot import plot_placement
 
         plot_placement(problem, placement, plot)
-    typer.echo(
+    console().print(
         f"{problem.num_buffers} buffers: arena {format_bytes(placement.arena_bytes)} ({placement.arena_bytes} B), "
         f"lower bound {report['lower_bound_bytes']} B, fragmentation {100 * report['fragmentation']:.2f}%, "
-        f"{placement.status} by {placement.method} in {placement.seconds:.2f} s"
+        f"{placement.status} by {placement.method} in {placement.seconds:.2f} s",
+        markup=False,
+        highlight=False,
     )
     if not placement.fits:
         raise CapacityExceeded(

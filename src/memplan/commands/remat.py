@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
@@ -10,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from memplan.commands.console import Quiet, console, progress, set_quiet
 from memplan.commands.options import BatchSize, JsonOut, OptimizerName, OptimizerOption, Source, write_json
 from memplan.errors import MemplanError
 from memplan.report.format import format_bytes
@@ -72,6 +74,21 @@ ReorderFlag = Annotated[
         "saves recomputation (joint recomputation and reordering).",
     ),
 ]
+SacPolicyOut = Annotated[
+    Path | None,
+    typer.Option(
+        "--sac-policy",
+        help="Write the best plan as a selective-activation-checkpointing policy (JSON) for your own loop: "
+        "memplan.torch.export.SACPolicy.load(FILE).apply(model, inputs).",
+    ),
+]
+SacMeasure = Annotated[
+    bool,
+    typer.Option(
+        "--sac-measure",
+        help="Also train the model eagerly with the --sac-policy applied, and without; compare numerics and peaks.",
+    ),
+]
 RunSteps = Annotated[
     int,
     typer.Option(
@@ -106,6 +123,9 @@ def remat(
     workspace: WorkspaceFlag = False,
     solver: SolverOption = SolverName.cp_sat,
     reorder: ReorderFlag = False,
+    sac_policy: SacPolicyOut = None,
+    sac_measure: SacMeasure = False,
+    quiet: Quiet = False,
 ) -> None:
     """Recompute activations to fit a budget (a portfolio of Moccasin's CP model, Checkmate's MILP, baselines)."""
     from memplan.remat import STRATEGIES, memory_floor
@@ -113,17 +133,22 @@ def remat(
     from memplan.remat.milp import check_solver
     from memplan.remat.sweep import plot_sweep, sweep
 
+    set_quiet(quiet)
     names = list(STRATEGIES) if strategy == "all" else [strategy]
     if any(n not in STRATEGIES for n in names):
         raise MemplanError(f"unknown strategy {strategy!r}; choose all or one of {', '.join(STRATEGIES)}")
     check_solver(solver.value)
-    inputs = ProblemInputs(source, optimizer.value, cost.value, workspace)
-    problem = inputs.problem(batch_size, 10**18, time_limit)
+    if sac_measure and sac_policy is None:
+        raise MemplanError("--sac-measure applies the --sac-policy file: give --sac-policy FILE too")
+    inputs = ProblemInputs(source, optimizer.value, cost.value, workspace, for_sac=sac_policy is not None)
+    with progress(f"capturing {source}" + (" and measuring its ops" if cost.value == "profile" or workspace else "")):
+        problem = inputs.problem(batch_size, 10**18, time_limit)
     graph = problem.graph
     top = checkpoint_all(problem).peak_bytes
     budget_bytes = parse_budget(budget, top)
     problem = problem.with_budget(budget_bytes)
-    plans = solve_plans(problem, names, solver.value, reorder)
+    with progress(f"solving {', '.join(names)} within {format_bytes(budget_bytes)}") as shown:
+        plans = solve_plans(problem, names, solver.value, reorder, lambda text: shown.advance(0, label=text))
     floor = memory_floor(problem)
     report: dict[str, Any] = {
         "budget_bytes": budget_bytes,
@@ -136,43 +161,115 @@ def remat(
         "floor_bytes": floor.bytes,
         "strategies": {n: p.summary() for n, p in plans.items()},
     }
-    print_plans(report, Console())
+    out = console()
+    print_plans(report, out)
     if sweep_png is not None:
-        report["sweep"] = sweep(
-            graph, names, time_limit_seconds=time_limit, cost=problem.cost, workspace=problem.workspace
-        )
+        with progress("sweeping budgets", total=SWEEP_BUDGETS) as shown:
+            report["sweep"] = sweep(
+                graph,
+                names,
+                SWEEP_BUDGETS,
+                time_limit_seconds=time_limit,
+                cost=problem.cost,
+                workspace=problem.workspace,
+                progress=lambda budget, plans: shown.advance(label=f"swept {format_bytes(budget)}"),
+            )
         plot_sweep(report["sweep"], sweep_png, title=str(graph.meta.get("model", graph.name)))
-        Console().print(f"wrote {sweep_png}")
+        out.print(f"wrote {sweep_png}")
     if max_batch_flag:
-        report["max_batch"] = _max_batch(inputs, budget_bytes, time_limit, names)
-        print_max_batch(report["max_batch"], Console())
+        with progress("finding the largest batch of each strategy"):
+            report["max_batch"] = _max_batch(inputs, budget_bytes, time_limit, names)
+        print_max_batch(report["max_batch"], out)
+    if sac_policy is not None:
+        report["sac_policy"] = _write_sac_policy(inputs, plans, sac_policy)
+        out.print(
+            f"wrote {sac_policy}: {report['sac_policy']['must_save']} of its "
+            f"{report['sac_policy']['forward_ops']} forward ops saved, the rest recomputed"
+        )
+        if sac_measure:
+            with progress("training eagerly with and without the SAC policy"):
+                report["sac_measure"] = _measure_sac(source, batch_size, optimizer.value, plans, inputs)
+            print_sac(report["sac_measure"], out)
     if run_steps:
-        report["run"] = _run(source, batch_size, optimizer.value, plans, problem, run_steps)
-        print_run(report["run"], Console())
+        with progress(f"training {run_steps} steps with the plan and eagerly"):
+            report["run"] = _run(source, batch_size, optimizer.value, plans, problem, run_steps)
+        print_run(report["run"], out)
     write_json(json_path, report)
 
 
-def solve_plans(problem: Any, names: list[str], solver: str, reorder: bool = False) -> dict[str, Any]:
+SWEEP_BUDGETS = 6
+
+
+def _best(plans: dict[str, Any]) -> Any:
+    feasible = [p for p in plans.values() if p.feasible]
+    if not feasible:
+        raise MemplanError("no strategy has a plan within the budget: raise --budget")
+    return min(feasible, key=lambda p: (p.compute_cost, p.peak_bytes))
+
+
+def _write_sac_policy(inputs: ProblemInputs, plans: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The cheapest feasible plan as a SAC policy file."""
+    from memplan.torch.export.sac import SACPolicy
+
+    if inputs.capture is None:
+        raise MemplanError("--sac-policy needs a zoo model (the policy names the ops of its forward), not a graph file")
+    policy = SACPolicy.from_schedule(inputs.capture, _best(plans), model=inputs.source)
+    policy.save(path)
+    return {"path": str(path), **policy.summary()}
+
+
+def _measure_sac(source: str, batch_size: int, optimizer: str, plans: dict[str, Any], inputs: Any) -> dict:
+    from memplan.torch.export.sac_compare import compare_sac_with_eager
+
+    best = _best(plans)
+    return compare_sac_with_eager(
+        source,
+        batch_size,
+        best.budget_bytes,
+        best.strategy,
+        optimizer_name=optimizer,
+        capture=inputs.capture,
+        schedule=best,
+    )
+
+
+def print_sac(run: dict[str, Any], out: Console) -> None:
+    table = Table(title=f"{run['model']} b{run['batch_size']}: eager PyTorch with memplan's SAC policy")
+    for column in ("planned peak", "eager + SAC peak", "SAC / plan", "eager peak", "max abs diff", "step s"):
+        table.add_column(column)
+    table.add_row(
+        format_bytes(run["planned_peak_bytes"]),
+        format_bytes(run["sac_peak_bytes"]),
+        f"{run['sac_vs_plan']:.3f}",
+        format_bytes(run["eager_peak_bytes"]),
+        f"{run['max_abs_diff']:g}",
+        f"{run['sac_step_seconds']:.2f} (eager {run['eager_step_seconds']:.2f})",
+    )
+    out.print(table)
+
+
+def solve_plans(
+    problem: Any,
+    names: list[str],
+    solver: str,
+    reorder: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Each strategy's plan; Checkmate's MILP with ``solver``, warm-started from the best baseline.
-    A spinner says which solver runs (they take up to the time limit each)."""
+    ``progress(text)`` hears which solver runs (they take up to the time limit each)."""
     from memplan.remat.baselines import BASELINES
     from memplan.remat.milp import solve_checkmate
     from memplan.remat.sweep import solve_all
 
-    console = Console(stderr=True)
-    with console.status("baselines") as status:
-
-        def progress(text: str) -> None:
-            status.update(text)
-
-        if solver == "cp-sat" or "checkmate" not in names:
-            return solve_all(problem, names, progress, reorder)
-        plans = solve_all(problem, [n for n in names if n != "checkmate"], progress, reorder)
-        baselines = {n: plans.get(n) or BASELINES[n](problem) for n in BASELINES}
-        fits = [p for p in baselines.values() if p.feasible]
-        warm = min(fits, key=lambda p: (p.compute_cost, p.peak_bytes)) if fits else None
-        progress(f"checkmate MILP with {solver}")
-        plans["checkmate"] = solve_checkmate(problem, warm, solver=solver)
+    say = progress or (lambda text: None)
+    if solver == "cp-sat" or "checkmate" not in names:
+        return solve_all(problem, names, say, reorder)
+    plans = solve_all(problem, [n for n in names if n != "checkmate"], say, reorder)
+    baselines = {n: plans.get(n) or BASELINES[n](problem) for n in BASELINES}
+    fits = [p for p in baselines.values() if p.feasible]
+    warm = min(fits, key=lambda p: (p.compute_cost, p.peak_bytes)) if fits else None
+    say(f"checkmate MILP with {solver}")
+    plans["checkmate"] = solve_checkmate(problem, warm, solver=solver)
     return {name: plans[name] for name in names}
 
 
@@ -180,23 +277,37 @@ class ProblemInputs:
     """How to build the remat problem of ``source`` at a batch: the captured graph, the cost
     model (FLOPs or profiled seconds) and, optionally, each op's measured workspace."""
 
-    def __init__(self, source: str, optimizer: str, cost: str, workspace: bool) -> None:
+    def __init__(self, source: str, optimizer: str, cost: str, workspace: bool, for_sac: bool = False) -> None:
         from memplan.sources import is_graph_file
 
         if (cost == "profile" or workspace) and is_graph_file(source):
             raise MemplanError("--cost profile and --workspace run the step: they need a zoo model, not a graph file")
+        if for_sac and is_graph_file(source):
+            raise MemplanError("--sac-policy needs a zoo model (the policy names its forward's ops), not a graph file")
         self.source, self.optimizer, self.cost, self.workspace = source, optimizer, cost, workspace
+        self.for_sac = for_sac
+        self.capture: Any = None  # the capture the last problem was built from, when one was made
 
     def problem(self, batch: int, budget_bytes: int, time_limit: float) -> Any:
         from memplan.remat.problem import RematProblem
 
+        if self.for_sac:  # captured as it runs under checkpointing: the policy must name the same ops
+            from memplan.torch.export.sac_compare import capture_for_sac
+
+            self.capture = capture_for_sac(self.source, batch, self.optimizer)
+            self.capture.graph.meta.update({"model": self.source, "batch_size": batch, "mode": "train"})
         if self.cost == "flops" and not self.workspace:
+            if self.capture is not None:
+                return RematProblem(self.capture.graph, budget_bytes, time_limit_seconds=time_limit)
             graph = load_source(self.source, batch_size=batch, mode="train", optimizer=self.optimizer)
             return RematProblem(graph, budget_bytes, time_limit_seconds=time_limit)
         from memplan.torch.run.profile import profile_model
 
         repeats = 3 if self.cost == "profile" else 0
-        capture, profile = profile_model(self.source, batch, self.optimizer, repeats=repeats, workspace=self.workspace)
+        capture, profile = profile_model(
+            self.source, batch, self.optimizer, repeats=repeats, workspace=self.workspace, capture=self.capture
+        )
+        self.capture = capture
         capture.graph.meta.update({"model": self.source, "batch_size": batch, "mode": "train"})
         costs = profile.costs() if self.cost == "profile" else ()
         scratch = profile.workspace_bytes if self.workspace else ()

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from enum import Enum
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from memplan.commands.console import Quiet, console, progress, set_quiet
 from memplan.commands.options import BatchSize, JsonOut, Mode, ModeOption, OptimizerName, OptimizerOption, write_json
+from memplan.errors import MemplanError
 from memplan.report.format import format_bytes
 
 
@@ -176,29 +179,86 @@ def run(
         ),
     ] = "next-bucket",
     json_path: JsonOut = None,
+    snapshot: Annotated[
+        Path | None,
+        typer.Option(
+            "--snapshot",
+            help="Write memory snapshots for PyTorch's memory visualizer: the memplan step to this .pickle, "
+            "the plan to NAME.plan.pickle, the eager step to NAME.eager.pickle.",
+        ),
+    ] = None,
+    trace: Annotated[
+        Path | None,
+        typer.Option("--trace", help="Write the plan as a Chrome/Perfetto trace (JSON) with measured op times."),
+    ] = None,
+    quiet: Quiet = False,
 ) -> None:
     """Train K steps with memplan and with eager PyTorch (or, with --nproc N, with DDP) from the same state and seed."""
     from memplan.torch.compare import compare_with_eager
 
+    set_quiet(quiet)
+    for path, suffix in ((snapshot, ".pickle"), (trace, ".json")):
+        if path is not None and path.suffix != suffix:
+            raise MemplanError(f"{path}: the file must end in {suffix}")
     if nproc > 1:
-        from memplan.errors import MemplanError
-
         if mode.value != "train":
             raise MemplanError("--nproc trains data-parallel: it needs --mode train")
         reports = run_data_parallel(model, batch_size, steps, nproc, optimizer.value, time_limit, bucket_cap_mb, waits)
-        print_data_parallel(reports, Console())
+        print_data_parallel(reports, console())
         write_json(json_path, {"ranks": reports})
         if _data_parallel_diff(reports) != 0.0:
             raise typer.Exit(1)
         return
 
-    report = compare_with_eager(
-        model, batch_size, steps, mode.value, optimizer.value, time_limit_seconds=time_limit, allocator=allocator.value
-    )
-    print_run(report, Console())
+    with progress(f"planning {model}, then training {steps} steps with memplan and eagerly"):
+        report = compare_with_eager(
+            model,
+            batch_size,
+            steps,
+            mode.value,
+            optimizer.value,
+            time_limit_seconds=time_limit,
+            allocator=allocator.value,
+        )
+    out = console()
+    print_run(report, out)
+    if snapshot is not None or trace is not None:
+        from memplan.torch.export.zoo_exports import export_zoo_step
+
+        report["exports"] = export_zoo_step(
+            model,
+            batch_size,
+            optimizer.value,
+            mode.value,
+            snapshot=snapshot,
+            trace=trace,
+            allocator=allocator.value,
+            time_limit_seconds=time_limit,
+            stage=progress,
+        )
+        print_exports(report["exports"], out)
     write_json(json_path, report)
     if report["max_abs_diff"] != 0.0:
         raise typer.Exit(1)
+
+
+def print_exports(exports: dict[str, Any], out: Console) -> None:
+    """Where the exports went and the peaks their own replay finds (persistent bytes included)."""
+    labels = {"memplan": "memplan step", "plan": "the plan", "eager": "eager step"}
+    for key, label in labels.items():
+        if key in exports:
+            e = exports[key]
+            out.print(
+                f"wrote {e['path']}: {label}, {e['events']} events, peak allocated "
+                f"{format_bytes(e['peak_allocated_bytes'])}, reserved {format_bytes(e['peak_reserved_bytes'])}",
+                markup=False,
+                highlight=False,
+            )
+    if "trace" in exports:
+        t = exports["trace"]
+        out.print(f"wrote {t['path']}: Chrome/Perfetto trace of the plan, {t['op_times']} op times", markup=False)
+    if any(k in exports for k in labels):
+        out.print("open the snapshots at https://pytorch.org/memory_viz (drag several files in to compare them)")
 
 
 def register(app: typer.Typer) -> None:

@@ -7,6 +7,7 @@ that object fires exactly when the memory is released.
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any
 
@@ -99,6 +100,18 @@ def measure_infer_step(model: torch.nn.Module, inputs: Any) -> int:
     return tracker.peak_bytes
 
 
+KINETO_QUIET_LEVEL = "6"  # above every severity kineto logs with, its USDT markers included
+
+
+def quiet_profiler() -> None:
+    """Keep kineto (the profiler's tracing library) from printing ``USDT: ... profiler_start``
+    and ``profiler_stop`` lines on stderr around every profiled region: kineto prints them
+    at its highest severity, so only a log level above all severities (``KINETO_LOG_LEVEL``,
+    read once, when the profiler first starts in the process) silences them. A level the
+    user set is kept."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET_LEVEL)
+
+
 def allocator_peak_bytes(fn: Any, *args: Any) -> tuple[Any, int]:
     """Run ``fn(*args)`` and return its result and the largest number of bytes the CPU
     allocator held at once during the call, above what it held before.
@@ -112,6 +125,7 @@ def allocator_peak_bytes(fn: Any, *args: Any) -> tuple[Any, int]:
 
     from torch.profiler import ProfilerActivity, profile
 
+    quiet_profiler()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
         result = fn(*args)
     fd, path = tempfile.mkstemp(suffix=".json")

@@ -138,6 +138,9 @@ def _median(samples: Sequence[float]) -> float:
 def _measure_workspace(runner: _ProfilingRunner, batch: Any) -> tuple[int, ...]:
     from torch.profiler import ProfilerActivity, profile
 
+    from memplan.torch.measure import quiet_profiler
+
+    quiet_profiler()
     runner.annotate = True
     try:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
