@@ -166,6 +166,20 @@ class CompiledStep:
         self.runners: dict[tuple, StepRunner | ReplayedStep] = {}
         self.plans: dict[tuple, MemoryPlan] = {}
 
+    @classmethod
+    def of_loss(
+        cls,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+        **options: Any,
+    ) -> CompiledStep:
+        """The classic step ``loss_fn(model(inputs), target)``, backward, ``optimizer.step()``,
+        ``zero_grad`` on batches ``(inputs, target)``; with no optimizer, inference on ``inputs``."""
+        if optimizer is None:
+            return cls(None, model, **options)
+        return cls(standard_step(model, optimizer, loss_fn), model, [optimizer], **options)
+
     def __call__(self, batch: Any) -> Any:
         return self.runner_for(batch)(batch)
 
@@ -288,10 +302,10 @@ def compile_step(
     it as a callable ``step(batch)``: the short form of :func:`compile`.
     ``recompute_copies=False`` keeps every forward copy instead of running it again in the
     backward (:mod:`memplan.torch.capture.recompute`)."""
-    step = CompiledStep(
-        standard_step(model, optimizer, loss_fn),
+    step = CompiledStep.of_loss(
         model,
-        [optimizer],
+        optimizer,
+        loss_fn,
         time_limit_seconds=time_limit_seconds,
         reorder=reorder,
         allocator=allocator,

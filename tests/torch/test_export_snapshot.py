@@ -169,7 +169,9 @@ def test_replay_snapshot_puts_the_step_in_the_arena_and_compares_with_eager() ->
     model, optimizer, batch, eager, persistent = tiny_step()
     planned_model = copy.deepcopy(model)
     planned_optimizer = torch.optim.SGD(planned_model.parameters(), lr=0.1, momentum=0.9)
-    compiled = CompiledStep(planned_model, planned_optimizer, torch.nn.functional.cross_entropy, allocator="replay")
+    compiled = CompiledStep.of_loss(
+        planned_model, planned_optimizer, torch.nn.functional.cross_entropy, allocator="replay"
+    )
     runner = compiled.runner_for(batch)
     for _ in range(5):
         compiled(batch)
@@ -188,7 +190,7 @@ def test_replay_snapshot_puts_the_step_in_the_arena_and_compares_with_eager() ->
 
 def test_plan_snapshot_of_a_captured_step_names_its_ops() -> None:
     model, optimizer, batch, _, _ = tiny_step()
-    compiled = CompiledStep(model, optimizer, torch.nn.functional.cross_entropy, allocator="views")
+    compiled = CompiledStep.of_loss(model, optimizer, torch.nn.functional.cross_entropy, allocator="views")
     runner = compiled.runner_for(batch)
     plan = compiled.plans[next(iter(compiled.plans))]
     snap = plan_snapshot(runner.graph, plan.order, plan.offsets, plan.arena_bytes, phases=runner.capture.op_phase)

@@ -13,7 +13,6 @@ from memplan.api import CompiledStep
 from memplan.errors import MemplanError
 from memplan.pipeline import MemoryPlan
 from memplan.torch.capture import call_model
-from memplan.torch.capture.trace import standard_step
 from memplan.torch.measure import allocator_peak_bytes, optimizer_state_tensors, resident_bytes
 from memplan.torch.run.interpreter import StepRunner
 from memplan.torch.run.replay import MAX_RECORDINGS, ReplayedStep
@@ -79,10 +78,10 @@ def compare_with_eager(
     batch = (w.inputs, w.target) if train else w.inputs
 
     start = time.perf_counter()
-    step = CompiledStep(
-        standard_step(memplan_model, memplan_opt, w.loss_fn) if train else None,
+    step = CompiledStep.of_loss(
         memplan_model,
-        [memplan_opt] if train else [],
+        memplan_opt,
+        w.loss_fn,
         time_limit_seconds=time_limit_seconds,
         allocator=allocator,
         recompute_copies=recompute_copies,

@@ -85,7 +85,7 @@ def export_zoo_step(
     written: dict[str, Any] = {}
 
     with stage(f"planning {model_name}"):
-        step = CompiledStep(
+        step = CompiledStep.of_loss(
             models["memplan"],
             optimizers["memplan"],
             w.loss_fn if train else None,
