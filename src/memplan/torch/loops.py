@@ -308,7 +308,11 @@ def run_feature(
                 snapshot(eager.model, eager.optimizer, *eager.objects()),
                 snapshot(planned.model, planned.optimizer, *planned.objects()),
             )
-            worst = max(worst, _max_abs_diff(eager, planned), float((eager_loss - planned_loss).abs().nan_to_num()))
+            worst = max(
+                worst,
+                _max_abs_diff(eager, planned),
+                float((eager_loss.detach() - planned_loss.detach()).abs().nan_to_num()),
+            )
             if found or not torch.equal(eager_loss.nan_to_num(), planned_loss.nan_to_num()):
                 return FeatureResult(spec.name, feature.name, False, f"step {k}: " + "; ".join(found[:3]), worst)
     except MemplanError as err:
