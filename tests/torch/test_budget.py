@@ -191,3 +191,45 @@ def test_cli_run_with_a_budget(tmp_path) -> None:
     assert report["max_abs_diff"] == 0.0
     budget = report["plan"]["budget"]
     assert report["memplan"]["peak_bytes"] <= budget["budget_bytes"]
+
+
+def test_accumulation_clipping_and_a_scheduler_under_a_budget_train_like_eager() -> None:
+    model = _mlp()
+    eager = copy.deepcopy(model)
+
+    def make(net, opt, sched):
+        def train_step(batch):
+            x, y = batch
+            for k in range(2):  # gradient accumulation over two micro-batches
+                loss = torch.nn.functional.cross_entropy(net(x[k * 256 : (k + 1) * 256]), y[k * 256 : (k + 1) * 256])
+                (loss / 2).backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        return train_step
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1, momentum=0.9)
+    reference = make(eager, eager_opt, torch.optim.lr_scheduler.StepLR(eager_opt, 1, 0.5))
+    step = memplan.compile(
+        make(model, opt, sched),
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        memory_budget=0.88,
+        allocator="views",
+        time_limit_seconds=5,
+    )
+    batch = _batch("mlp")
+    for k in range(3):
+        torch.manual_seed(k)
+        expected = reference(batch)
+        torch.manual_seed(k)
+        assert torch.equal(expected, step(batch))
+        assert all(torch.equal(a, b) for a, b in zip(_state(eager), _state(model), strict=True))
+    assert step.report["budget"]["recomputed_ops"] > 0
+    assert opt.param_groups[0]["lr"] == eager_opt.param_groups[0]["lr"]

@@ -34,6 +34,7 @@ import torch
 from memplan.errors import InfeasibleBudget, MemplanError
 from memplan.report.format import format_bytes
 from memplan.torch.capture import Capture
+from memplan.torch.run.profile import _measure_workspace, _ProfilingRunner
 
 UNITS = {
     "": 1,
@@ -237,17 +238,25 @@ def _infeasible_message(graph: Any, budget_bytes: int, reference: int, schedule:
 def measure_op_workspace(
     capture: Capture, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any
 ) -> tuple[int, ...]:
-    """Each op's kernel scratch bytes (:func:`memplan.torch.run.profile.profile_capture`),
-    measured on a copy of the model and optimizer with the random generator put back, so the
-    user's objects and random stream are untouched. CPU only (elsewhere: none)."""
-    from memplan.torch.run.profile import profile_capture
-
+    """Each op's kernel scratch bytes (as :func:`memplan.torch.run.profile.profile_capture`
+    measures them), on a copy of the model and optimizer with the random generator put back;
+    calls of the step's other objects (an LR scheduler) are not made, so the user's objects
+    and random stream are untouched. CPU only (elsewhere: none)."""
     if any(p.device.type != "cpu" for p in model.parameters()):
         return ()
     model_copy, optimizer_copy = copy.deepcopy((model, optimizer))
     with torch.random.fork_rng(devices=[]):
-        profile = profile_capture(capture, model_copy, optimizer_copy, batch, repeats=0, workspace=True)
-    return profile.workspace_bytes
+        runner = _WorkspaceRunner(capture, model_copy, optimizer_copy)
+        runner(batch)  # warm-up: optimizer state, oneDNN primitives
+        return _measure_workspace(runner, batch)
+
+
+class _WorkspaceRunner(_ProfilingRunner):
+    """Makes only the optimizer's calls: another object's (a scheduler's) is the user's own."""
+
+    def _update(self, ins: Any, env: dict[str, Any]) -> None:
+        if self.capture.regions[ins.region].owner in self.capture.optimizers:
+            super()._update(ins, env)
 
 
 __all__ = [
