@@ -186,14 +186,16 @@ def test_cli_run_with_a_budget(tmp_path) -> None:
     from memplan.cli import app
 
     out = tmp_path / "run.json"
-    result = CliRunner().invoke(app, ["run", "mlp", "-b", "64", "--steps", "1", "--budget", "1.0", "--json", str(out)])
+    result = CliRunner().invoke(
+        app, ["run", "mlp", "-b", "64", "--steps", "1", "--time-limit", "2", "--budget", "1.0", "--json", str(out)]
+    )
     assert result.exit_code == 0, result.output
     assert "budget" in result.output and "nothing recomputed" in result.output
     report = json.loads(out.read_text())
     assert report["max_abs_diff"] == 0.0
     assert report["budget"]["within_budget"]
     assert report["memplan"]["peak_bytes"] <= report["budget"]["budget_bytes"]
-    result = CliRunner().invoke(app, ["run", "mlp", "-b", "64", "--steps", "1", "--budget", "50%"])
+    result = CliRunner().invoke(app, ["run", "mlp", "-b", "64", "--steps", "1", "--time-limit", "2", "--budget", "50%"])
     assert result.exit_code != 0
     assert isinstance(result.exception, InfeasibleBudget)  # the CLI's entry point prints it as one line
     assert "raise memory_budget" in str(result.exception)
