@@ -149,6 +149,8 @@ class CompiledStep:
         reorder: bool = True,
         allocator: str = "auto",
         recompute_copies: bool = True,
+        memory_budget: int | float | str | None = None,
+        max_overhead: float | None = None,
     ) -> None:
         on_cpu = all(t.device.type == "cpu" for t in [*model.parameters(), *model.buffers()])
         if allocator == "replay" and not on_cpu:
@@ -163,6 +165,14 @@ class CompiledStep:
         self.time_limit_seconds = time_limit_seconds
         self.reorder = reorder
         self.recompute_copies = recompute_copies
+        self.memory_budget = memory_budget
+        self.max_overhead = max_overhead
+        if memory_budget is not None or max_overhead is not None:
+            from memplan.torch.run.budget import check_max_overhead, parse_memory_budget
+
+            check_max_overhead(max_overhead)
+            if memory_budget is not None:
+                parse_memory_budget(memory_budget, 1)  # a malformed budget is refused now, not at the first call
         self.runners: dict[tuple, StepRunner | ReplayedStep] = {}
         self.plans: dict[tuple, MemoryPlan] = {}
 
@@ -200,6 +210,9 @@ class CompiledStep:
                 recompute_copies=self.recompute_copies,
             )
             self.plans[key] = plan
+            if self.memory_budget is not None or self.max_overhead is not None:
+                self.runners[key] = self._budget_runner(capture, plan, batch)
+                return self.runners[key]
             offsets = (
                 Plan(tuple(plan.order))
                 if self.allocator == "replay"
@@ -210,6 +223,41 @@ class CompiledStep:
                 runner = ReplayedStep(runner, time_limit_seconds=self.time_limit_seconds)
             self.runners[key] = runner
         return self.runners[key]
+
+    def _budget_runner(self, capture: Capture, plan: MemoryPlan, batch: Any) -> StepRunner | ReplayedStep:
+        """The runner within ``memory_budget``/``max_overhead`` (:mod:`memplan.torch.run.budget`):
+        the reordered, placed plan when it fits, else the remat portfolio's plan run by
+        :class:`RematRunner` (with the planned allocator, every allocation at a static offset)."""
+        from memplan.torch.run.budget import check_remat_supported, plan_budget
+        from memplan.torch.run.remat import RematRunner
+
+        check_remat_supported(capture, self.optimizers, self.scaler)
+        decided = plan_budget(
+            capture,
+            int(plan.report["planned_peak_bytes"]),
+            self.model,
+            self.optimizers[0],
+            batch,
+            memory_budget=self.memory_budget,
+            max_overhead=self.max_overhead,
+            time_limit_seconds=self.time_limit_seconds,
+            joint_reorder=self.reorder,
+        )
+        plan.report["budget"] = decided.report
+        if decided.schedule is None:
+            runner: StepRunner | ReplayedStep = StepRunner(
+                capture,
+                Plan(tuple(plan.order))
+                if self.allocator == "replay"
+                else Plan(tuple(plan.order), plan.offsets, plan.arena_bytes),
+                self.model,
+                self.optimizers,
+            )
+        else:
+            runner = RematRunner(capture, decided.schedule.steps, self.model, self.optimizers[0])
+        if self.allocator == "replay":
+            runner = ReplayedStep(runner, time_limit_seconds=self.time_limit_seconds)
+        return runner
 
     @property
     def report(self) -> dict[str, Any]:
@@ -254,6 +302,8 @@ def compile(  # the name PyTorch users know (torch.compile)
     reorder: bool = True,
     allocator: str = "auto",
     recompute_copies: bool = True,
+    memory_budget: int | float | str | None = None,
+    max_overhead: float | None = None,
 ) -> CompiledStep | Callable[[StepFn], CompiledStep]:
     """Plan the whole step ``fn(batch)`` the user wrote: forward(s), ``backward()``, gradient
     clipping, gradient accumulation over micro-batches, autocast, ``optimizer.step()``,
@@ -266,6 +316,21 @@ def compile(  # the name PyTorch users know (torch.compile)
     shape. The tensor ops of ``fn`` are what runs afterwards: Python side effects other than
     those calls (a counter, a print) happen at capture only, and a step that reads a
     tensor's value to decide what to do is refused.
+
+    ``memory_budget`` trades compute for memory, as ``torch.utils.checkpoint`` and
+    ``torch._functorch.config.activation_memory_budget`` do, but planned: the step's whole
+    peak (parameters, gradients, optimizer state, batch, activations) stays within it. Give
+    bytes (``2_000_000_000``, ``"2GiB"``, ``"512MB"``) or a fraction of the checkpoint-all peak,
+    the peak of the step that keeps every activation (``0.5``, ``"50%"``; 1.0 recomputes
+    nothing). ``max_overhead`` (0.1: "at most 10% more compute") alone asks for the lowest
+    peak within that much recomputation; with ``memory_budget`` it caps the cheapest plan's.
+    The plan reorders and places first; only if that does not fit does it recompute
+    activations in the backward (a portfolio of Moccasin's CP model, Checkmate's MILP and the
+    baselines, with each kernel's workspace measured on a copy of the model). A recompute runs
+    the same kernel on the same inputs and random ops are never recomputed, so numerics stay
+    eager's bit for bit. A budget no plan reaches raises ``InfeasibleBudget`` with the smallest
+    peak there is; a step with a GradScaler or several optimizers is refused with a budget.
+    ``train_step.report["budget"]`` says what was decided (method, planned peak, overhead).
     """
     optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     schedulers = list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler] if scheduler else []
@@ -281,6 +346,8 @@ def compile(  # the name PyTorch users know (torch.compile)
             reorder=reorder,
             allocator=allocator,
             recompute_copies=recompute_copies,
+            memory_budget=memory_budget,
+            max_overhead=max_overhead,
         )
 
     return build if fn is None else build(fn)
@@ -296,12 +363,16 @@ def compile_step(
     reorder: bool = True,
     allocator: str = "auto",
     recompute_copies: bool = True,
+    memory_budget: int | float | str | None = None,
+    max_overhead: float | None = None,
 ) -> CompiledStep:
     """Plan ``loss = loss_fn(model(inputs), target); loss.backward(); optimizer.step();
     optimizer.zero_grad(set_to_none=True)`` for ``example_batch = (inputs, target)`` and return
     it as a callable ``step(batch)``: the short form of :func:`compile`.
     ``recompute_copies=False`` keeps every forward copy instead of running it again in the
-    backward (:mod:`memplan.torch.capture.recompute`)."""
+    backward (:mod:`memplan.torch.capture.recompute`). ``memory_budget`` (bytes, ``"2GiB"``, or
+    a fraction of the checkpoint-all peak such as ``0.5``) and ``max_overhead`` (0.1: at most
+    10% more compute) rematerialise activations to fit, as in :func:`compile`."""
     step = CompiledStep.of_loss(
         model,
         optimizer,
@@ -310,6 +381,8 @@ def compile_step(
         reorder=reorder,
         allocator=allocator,
         recompute_copies=recompute_copies,
+        memory_budget=memory_budget,
+        max_overhead=max_overhead,
     )
     step.runner_for(example_batch)
     return step

@@ -67,6 +67,34 @@ def print_run(report: dict[str, Any], console: Console) -> None:
     console.print(f"loss and parameters after every step: {verdict} (max abs diff {report['max_abs_diff']})")
 
 
+def print_budget(report: dict[str, Any], console: Console) -> None:
+    """The budget's lines of ``memplan run --budget``: measured peak against the budget, the
+    planned compute overhead and the measured step time against eager."""
+    b = report["budget"]
+    budget_bytes = b["budget_bytes"]
+    measured, eager = format_bytes(b["measured_peak_bytes"]), format_bytes(report["eager"]["peak_bytes"])
+    where = (
+        f"budget {format_bytes(budget_bytes)} ({b['memory_budget']}), measured peak {measured} "
+        f"({'within' if b['within_budget'] else 'OVER'} the budget), eager {eager}"
+        if budget_bytes is not None
+        else f"max overhead {b['max_overhead']}, measured peak {measured}"
+    )
+    console.print(where, markup=False, highlight=False)
+    how = (
+        f"{b['recomputed_ops']} recomputed ops, compute overhead +{100 * b['overhead']:.2f}% "
+        f"({b['status']}, from {b.get('from')})"
+        if b["method"] == "remat"
+        else "reordering and placement fit: nothing recomputed"
+    )
+    ratio = "n/a" if b["step_time_ratio"] is None else f"{b['step_time_ratio']:.2f}"
+    console.print(
+        f"plan: {how}; planned peak {format_bytes(b['planned_peak_bytes'])} (checkpoint-all "
+        f"{format_bytes(b['checkpoint_all_peak_bytes'])}); step time memplan/eager {ratio}",
+        markup=False,
+        highlight=False,
+    )
+
+
 def print_data_parallel(reports: list[dict[str, Any]], console: Console) -> None:
     """The table of ``memplan run --nproc N``: per rank, memplan vs DDP (both bucket settings)."""
     first = reports[0]
@@ -178,6 +206,22 @@ def run(
             "backward), end-of-backward (as DDP).",
         ),
     ] = "next-bucket",
+    budget: Annotated[
+        str | None,
+        typer.Option(
+            "--budget",
+            help="Memory budget for the whole step: bytes (2e9, 2GiB, 512MB) or a fraction of the checkpoint-all "
+            "peak (0.5, 50%); activations are recomputed in the backward where reordering alone does not fit.",
+        ),
+    ] = None,
+    max_overhead: Annotated[
+        float | None,
+        typer.Option(
+            "--max-overhead",
+            min=0.0,
+            help="Compute recomputation may add (0.1: 10%): alone, the lowest peak within it; with --budget, a cap.",
+        ),
+    ] = None,
     json_path: JsonOut = None,
     snapshot: Annotated[
         Path | None,
@@ -200,6 +244,8 @@ def run(
     for path, suffix in ((snapshot, ".pickle"), (trace, ".json")):
         if path is not None and path.suffix != suffix:
             raise MemplanError(f"{path}: the file must end in {suffix}")
+    if (budget is not None or max_overhead is not None) and (nproc > 1 or mode.value != "train"):
+        raise MemplanError("--budget and --max-overhead plan a training step on one process: drop --nproc/--mode infer")
     if nproc > 1:
         if mode.value != "train":
             raise MemplanError("--nproc trains data-parallel: it needs --mode train")
@@ -219,9 +265,13 @@ def run(
             optimizer.value,
             time_limit_seconds=time_limit,
             allocator=allocator.value,
+            memory_budget=budget,
+            max_overhead=max_overhead,
         )
     out = console()
     print_run(report, out)
+    if report.get("budget") is not None:
+        print_budget(report, out)
     if snapshot is not None or trace is not None:
         from memplan.torch.export.zoo_exports import export_zoo_step
 

@@ -65,8 +65,12 @@ def compare_with_eager(
     seed: int = 0,
     allocator: str = "auto",
     recompute_copies: bool = True,
+    memory_budget: int | float | str | None = None,
+    max_overhead: float | None = None,
 ) -> dict[str, Any]:
-    """The report of ``memplan run``: numerics, measured peak bytes and step seconds of both."""
+    """The report of ``memplan run``: numerics, measured peak bytes and step seconds of both.
+    ``memory_budget``/``max_overhead``: plan within them (:mod:`memplan.torch.run.budget`);
+    the report's ``budget`` then compares the measured peak with the budget."""
     w = build_workload(model_name, batch_size, seed=seed)
     eager_model = w.model
     memplan_model = copy.deepcopy(w.model)
@@ -85,6 +89,8 @@ def compare_with_eager(
         time_limit_seconds=time_limit_seconds,
         allocator=allocator,
         recompute_copies=recompute_copies,
+        memory_budget=memory_budget,
+        max_overhead=max_overhead,
     )
     runner = step.runner_for(batch)
     plan_seconds = time.perf_counter() - start
@@ -121,6 +127,17 @@ def compare_with_eager(
     )
     plan = step.plans[next(iter(step.plans))]
     memplan_report = _runner_report(runner, plan)
+    peak_memplan = resident_memplan + memplan.peak_bytes
+    budget = plan.report.get("budget")
+    if budget is not None:
+        budget = {
+            **budget,
+            "measured_peak_bytes": peak_memplan,
+            "within_budget": budget["budget_bytes"] is None or peak_memplan <= budget["budget_bytes"],
+            "step_time_ratio": round(memplan.median_seconds() / eager.median_seconds(), 4)
+            if eager.median_seconds()
+            else None,
+        }
     return {
         "model": model_name,
         "batch_size": batch_size,
@@ -132,8 +149,9 @@ def compare_with_eager(
         "max_abs_diff": max_diff,
         "plan_seconds": round(plan_seconds, 3),
         "plan": plan.report,
+        "budget": budget,
         "memplan": {
-            "peak_bytes": resident_memplan + memplan.peak_bytes,
+            "peak_bytes": peak_memplan,
             "persistent_bytes": plan.report["persistent_bytes"],
             **memplan_report,
             "step_seconds": memplan.median_seconds(),

@@ -1,0 +1,243 @@
+"""A memory budget in the main path: ``compile``/``compile_step(..., memory_budget=...)`` plans
+reorder + remat + placement, trains bit for bit like eager, and measures within the budget."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+import memplan
+import torch
+from memplan.errors import InfeasibleBudget, MemplanError
+from memplan.torch.measure import LiveBytesTracker, allocator_peak_bytes, optimizer_state_tensors, resident_bytes
+from memplan.torch.run.budget import RematUnsupported, parse_memory_budget
+from memplan.torch.run.remat import RematRunner
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(8):
+        layers += [torch.nn.Linear(64, 64), torch.nn.Tanh()]
+    layers.insert(4, torch.nn.Dropout(0.2))  # random: must never be recomputed
+    return torch.nn.Sequential(*layers, torch.nn.Linear(64, 10))
+
+
+def _cnn() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 8, 3, padding=1),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 8, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8, 10),
+    )
+
+
+def _batch(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(512, 64, generator=g) if kind == "mlp" else torch.randn(8, 3, 24, 24, generator=g)
+    return x, torch.randint(0, 10, (x.shape[0],), generator=g)
+
+
+def _eager_step(model, optimizer, batch):
+    loss = torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def _state(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [*model.parameters(), *model.buffers()]
+
+
+@pytest.mark.parametrize(("kind", "budget"), [("mlp", 0.75), ("cnn", "70%")])
+def test_budget_step_is_bitwise_eager_and_within_the_budget(kind: str, budget: float | str) -> None:
+    model = _mlp() if kind == "mlp" else _cnn()
+    model.train()
+    eager = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1, momentum=0.9)
+    batch = _batch(kind)
+    torch.manual_seed(5)
+    step = memplan.compile_step(
+        model,
+        opt,
+        torch.nn.functional.cross_entropy,
+        batch,
+        memory_budget=budget,
+        allocator="views",
+        time_limit_seconds=5,
+    )
+    report = step.report["budget"]
+    assert report["method"] == "remat" and report["recomputed_ops"] > 0, report
+    assert isinstance(step.runners[next(iter(step.runners))], RematRunner)
+    assert report["planned_peak_bytes"] <= report["budget_bytes"] < report["checkpoint_all_peak_bytes"]
+    for k in range(3):
+        torch.manual_seed(100 + k)
+        expected = _eager_step(eager, eager_opt, batch)
+        torch.manual_seed(100 + k)
+        got = step(batch)
+        assert torch.equal(expected, got)
+        assert all(torch.equal(a, b) for a, b in zip(_state(eager), _state(model), strict=True))
+    # the measured peak: live storages (tracker), and the allocator's own count (kernel scratch too)
+    resident = resident_bytes(_state(model), optimizer_state_tensors(opt), batch)
+    tracker = LiveBytesTracker()
+    tracker.track(_state(model), optimizer_state_tensors(opt), batch)
+    with tracker:
+        step(batch)
+    _, allocated = allocator_peak_bytes(step, batch)
+    assert tracker.peak_bytes <= report["budget_bytes"], (tracker.peak_bytes, report)
+    assert resident + allocated <= report["budget_bytes"], (resident, allocated, report)
+
+
+def test_a_budget_the_reordered_plan_meets_recomputes_nothing() -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = memplan.compile_step(
+        model, opt, torch.nn.functional.cross_entropy, _batch("mlp"), memory_budget=1.0, allocator="views"
+    )
+    assert step.report["budget"]["method"] == "reorder"
+    assert step.report["budget"]["recomputed_ops"] == 0
+
+
+def test_max_overhead_gives_a_lower_peak_within_the_compute_allowance() -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = memplan.compile_step(
+        model, opt, torch.nn.functional.cross_entropy, _batch("mlp"), max_overhead=0.2, allocator="views"
+    )
+    report = step.report["budget"]
+    assert report["overhead"] <= 0.2
+    assert report["planned_peak_bytes"] < report["checkpoint_all_peak_bytes"]
+
+
+def test_an_infeasible_budget_says_the_smallest_peak_in_one_line() -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(InfeasibleBudget) as err:
+        memplan.compile_step(model, opt, torch.nn.functional.cross_entropy, _batch("mlp"), memory_budget=1000)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "smallest peak found is" in message and "raise memory_budget" in message
+
+
+def test_budget_with_a_scaler_or_two_optimizers_is_refused() -> None:
+    model = _mlp()
+    first = torch.optim.SGD(list(model.parameters())[:4], lr=0.1)
+    second = torch.optim.SGD(list(model.parameters())[4:], lr=0.1)
+
+    def two(batch):
+        loss = torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+        loss.backward()
+        first.step()
+        second.step()
+        first.zero_grad()
+        second.zero_grad()
+        return loss
+
+    step = memplan.compile(two, model=model, optimizer=[first, second], memory_budget=0.5, allocator="views")
+    with pytest.raises(RematUnsupported, match="one optimizer"):
+        step(_batch("mlp"))
+
+    scaler = torch.amp.GradScaler("cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def scaled(batch):
+        loss = torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        return loss
+
+    step = memplan.compile(scaled, model=model, optimizer=opt, scaler=scaler, memory_budget=0.5, allocator="views")
+    with pytest.raises(RematUnsupported, match="GradScaler"):
+        step(_batch("mlp"))
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(0.5, 500), ("50%", 500), ("0.25", 250), (2048, 2048), ("2KiB", 2048), ("2 kB", 2000), ("1e3", 1000), (3e3, 3000)],
+)
+def test_budget_values(value: int | float | str, expected: int) -> None:
+    assert parse_memory_budget(value, 1000) == expected
+
+
+@pytest.mark.parametrize("value", [0.0, -5, "lots", "150%", 1.5, True])
+def test_bad_budget_values_are_refused(value: object) -> None:
+    with pytest.raises(MemplanError):
+        parse_memory_budget(value, 1000)  # type: ignore[arg-type]
+
+
+def test_cli_run_with_a_budget(tmp_path) -> None:
+    """The zoo's MLP is parameter-bound: 1.0 fits by reordering, 0.5 is below what any plan reaches.
+    (The remat path of ``memplan run --budget`` is measured by bench/budget.py: seconds to minutes.)"""
+    from memplan.cli import app
+
+    out = tmp_path / "run.json"
+    result = CliRunner().invoke(
+        app, ["run", "mlp", "-b", "64", "--steps", "1", "--time-limit", "2", "--budget", "1.0", "--json", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    assert "budget" in result.output and "nothing recomputed" in result.output
+    report = json.loads(out.read_text())
+    assert report["max_abs_diff"] == 0.0
+    assert report["budget"]["within_budget"]
+    assert report["memplan"]["peak_bytes"] <= report["budget"]["budget_bytes"]
+    result = CliRunner().invoke(app, ["run", "mlp", "-b", "64", "--steps", "1", "--time-limit", "2", "--budget", "50%"])
+    assert result.exit_code != 0
+    assert isinstance(result.exception, InfeasibleBudget)  # the CLI's entry point prints it as one line
+    assert "raise memory_budget" in str(result.exception)
+
+
+def test_accumulation_clipping_and_a_scheduler_under_a_budget_train_like_eager() -> None:
+    model = _mlp()
+    eager = copy.deepcopy(model)
+
+    def make(net, opt, sched):
+        def train_step(batch):
+            x, y = batch
+            for k in range(2):  # gradient accumulation over two micro-batches
+                loss = torch.nn.functional.cross_entropy(net(x[k * 256 : (k + 1) * 256]), y[k * 256 : (k + 1) * 256])
+                (loss / 2).backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        return train_step
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1, momentum=0.9)
+    reference = make(eager, eager_opt, torch.optim.lr_scheduler.StepLR(eager_opt, 1, 0.5))
+    step = memplan.compile(
+        make(model, opt, sched),
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        memory_budget=0.88,
+        allocator="views",
+        time_limit_seconds=5,
+    )
+    batch = _batch("mlp")
+    for k in range(3):
+        torch.manual_seed(k)
+        expected = reference(batch)
+        torch.manual_seed(k)
+        assert torch.equal(expected, step(batch))
+        assert all(torch.equal(a, b) for a, b in zip(_state(eager), _state(model), strict=True))
+    assert step.report["budget"]["recomputed_ops"] > 0
+    assert opt.param_groups[0]["lr"] == eager_opt.param_groups[0]["lr"]
