@@ -344,10 +344,9 @@ def _peaks(eager_step: Callable, planned_step: Any, batch: Batch) -> tuple[int, 
     """Bytes one more steady-state step of each holds at its peak beyond the persistent tensors
     (parameters, optimizer state, the batch): the CPU allocator's own count during the step,
     plus, for memplan, its arena, which it holds from before the step."""
-    from memplan.api import shape_key
     from memplan.torch.measure import allocator_peak_bytes
 
     _, eager_peak = allocator_peak_bytes(eager_step, batch)
     _, planned_peak = allocator_peak_bytes(planned_step, batch)
-    runner = planned_step.runners[shape_key(batch)]
+    runner = planned_step.runner_for(batch)
     return planned_peak + runner.arena.untyped_storage().nbytes(), eager_peak
