@@ -245,7 +245,14 @@ def _refusals(rank: int, ddp: DistributedDataParallel) -> list[str]:
 def run_two_ranks(policies: list[str]) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        mp.spawn(_rank, args=(2, store, tmp, policies), nprocs=2, join=True)
+        try:
+            mp.spawn(_rank, args=(2, store, tmp, policies), nprocs=2, join=True)
+        except mp.ProcessExitedException:
+            # a rank that wrote its results and then died in gloo's teardown (seen once, under
+            # heavy load: "terminate called without an active exception") trained correctly;
+            # one that died before writing them did not
+            if not all(Path(tmp, f"{r}.json").exists() for r in range(2)):
+                raise
         results = [json.loads(Path(tmp, f"{r}.json").read_text()) for r in range(2)]
     for r in results:
         assert "error" not in r, r["error"]
