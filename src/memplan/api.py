@@ -149,7 +149,9 @@ class CompiledStep:
         reorder: bool = True,
         allocator: str = "auto",
         recompute_copies: bool = True,
+        executor: str = "generated",
     ) -> None:
+        self.executor = executor
         on_cpu = all(t.device.type == "cpu" for t in [*model.parameters(), *model.buffers()])
         if allocator == "replay" and not on_cpu:
             raise MemplanError("allocator='replay' serves CPU memory only; use allocator='views' on this device")
@@ -191,7 +193,9 @@ class CompiledStep:
                 if self.allocator == "replay"
                 else Plan(tuple(plan.order), plan.offsets, plan.arena_bytes)
             )
-            runner = StepRunner(capture, offsets, self.model, self.optimizers, scaler=self.scaler)
+            runner = StepRunner(
+                capture, offsets, self.model, self.optimizers, scaler=self.scaler, executor=self.executor
+            )
             if self.allocator == "replay":
                 runner = ReplayedStep(runner, time_limit_seconds=self.time_limit_seconds)
             self.runners[key] = runner
@@ -240,6 +244,7 @@ def compile(  # the name PyTorch users know (torch.compile)
     reorder: bool = True,
     allocator: str = "auto",
     recompute_copies: bool = True,
+    executor: str = "generated",
 ) -> CompiledStep | Callable[[StepFn], CompiledStep]:
     """Plan the whole step ``fn(batch)`` the user wrote: forward(s), ``backward()``, gradient
     clipping, gradient accumulation over micro-batches, autocast, ``optimizer.step()``,
@@ -251,7 +256,8 @@ def compile(  # the name PyTorch users know (torch.compile)
     decorator when ``fn`` is omitted. A step is planned on its first call for each batch
     shape. The tensor ops of ``fn`` are what runs afterwards: Python side effects other than
     those calls (a counter, a print) happen at capture only, and a step that reads a
-    tensor's value to decide what to do is refused.
+    tensor's value to decide what to do is refused. ``executor="interpreted"`` walks the
+    planned program op by op (the reference) instead of running it as one generated function.
     """
     optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     schedulers = list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler] if scheduler else []
@@ -267,6 +273,7 @@ def compile(  # the name PyTorch users know (torch.compile)
             reorder=reorder,
             allocator=allocator,
             recompute_copies=recompute_copies,
+            executor=executor,
         )
 
     return build if fn is None else build(fn)

@@ -66,6 +66,7 @@ def compare_with_eager(
     seed: int = 0,
     allocator: str = "auto",
     recompute_copies: bool = True,
+    executor: str = "generated",
 ) -> dict[str, Any]:
     """The report of ``memplan run``: numerics, measured peak bytes and step seconds of both."""
     w = build_workload(model_name, batch_size, seed=seed)
@@ -86,6 +87,7 @@ def compare_with_eager(
         time_limit_seconds=time_limit_seconds,
         allocator=allocator,
         recompute_copies=recompute_copies,
+        executor=executor,
     )
     runner = step.runner_for(batch)
     plan_seconds = time.perf_counter() - start
