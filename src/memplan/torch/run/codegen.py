@@ -98,7 +98,7 @@ class _Writer:
 
 def generate(runner: Any) -> GeneratedStep:
     """Write ``runner``'s instructions as one function (see the module docstring)."""
-    from memplan.torch.run.interpreter import RunHook, _Update
+    from memplan.torch.run.interpreter import RunHook, StepRunner, _Update
 
     w = _Writer(runner)
     stats: dict[str, Any] = {"out_bytes": 0, "allocator_bytes": 0, "max_scratch_bytes": 0, "inplace_bytes": 0}
@@ -111,8 +111,12 @@ def generate(runner: Any) -> GeneratedStep:
             w.emit(f"{w.constant(ins, 'hook')}.run(runner, env)")
             continue
         if isinstance(ins, _Update):
-            grads = "".join(f"{w.expr(n)}, " for n in ins.grad_nodes)
-            w.emit(f"runner._update_with({w.constant(ins, 'update')}, ({grads}))")
+            if type(runner)._update is StepRunner._update:
+                grads = "".join(f"{w.expr(n)}, " for n in ins.grad_nodes)
+                w.emit(f"runner._update_with({w.constant(ins, 'update')}, ({grads}))")
+            else:  # a subclass's own update (it reads the gradients from an env)
+                grads = ", ".join(f"{n.name!r}: {w.expr(n)}" for n in ins.grad_nodes)
+                w.emit(f"runner._update({w.constant(ins, 'update')}, {{{grads}}})")
         elif planned:
             _planned_call(w, ins, stats)
         else:
