@@ -22,7 +22,8 @@ from memplan.torch.zoo import list_models
 
 HEADER = (
     "| model | batch | optimizer | allocator | max abs diff | eager peak | memplan peak | planned peak "
-    "| graph estimate | memplan / eager | measured / planned | left to allocator | eager s | memplan s | time ratio |"
+    "| graph estimate | memplan / eager | measured / planned | left to allocator | eager s | memplan s | time ratio "
+    "| interpreted s | interpreted ratio |"
 )
 
 
@@ -35,7 +36,10 @@ NOTES = [
     "scratch and no in-place reuse (it does see recomputed copies). *left to allocator* = bytes the step requested "
     "that did not come from the "
     "arena (with `replay`: the returned loss and a few scalars). Times: medians of the timed steps, eager and "
-    "memplan interleaved in one process; the planned allocator's recording steps are not timed.",
+    "memplan interleaved in one process; the planned allocator's recording steps are not timed. *memplan s* is the "
+    "generated executor (the planned step written once as one Python function, `memplan.torch.run.codegen`); "
+    "*interpreted s* the same plan run by the op-by-op interpreter on a third copy of the model, timed in the same "
+    "steps.",
 ]
 
 
@@ -57,8 +61,15 @@ def row(r: dict) -> str:
         f"| {format_bytes(m.get('graph_planned_peak_bytes', planned))} "
         f"| {m['peak_bytes'] / e['peak_bytes']:.3f} | {m['peak_bytes'] / planned:.3f} "
         f"| {100 * fallback_share(m):.2f}% "
-        f"| {e['step_seconds']:.3f} | {m['step_seconds']:.3f} | {m['step_seconds'] / e['step_seconds']:.3f} |"
+        f"| {e['step_seconds']:.3f} | {m['step_seconds']:.3f} | {m['step_seconds'] / e['step_seconds']:.3f} "
+        f"| {_interpreted(m, e)} |"
     )
+
+
+def _interpreted(m: dict, e: dict) -> str:
+    """The interpreted executor's time on the same plan and its ratio to eager (older runs: none)."""
+    seconds = m.get("interpreted_step_seconds")
+    return "- | -" if seconds is None else f"{seconds:.3f} | {seconds / e['step_seconds']:.3f}"
 
 
 def main() -> None:
@@ -91,6 +102,7 @@ def main() -> None:
             time_limit_seconds=args.time_limit,
             allocator=args.allocator,
             recompute_copies=not args.no_recompute,
+            time_interpreter=True,
         )
         reports.append(r)
         rows.append(row(r))

@@ -151,7 +151,9 @@ class CompiledStep:
         recompute_copies: bool = True,
         memory_budget: int | float | str | None = None,
         max_overhead: float | None = None,
+        executor: str = "generated",
     ) -> None:
+        self.executor = executor
         on_cpu = all(t.device.type == "cpu" for t in [*model.parameters(), *model.buffers()])
         if allocator == "replay" and not on_cpu:
             raise MemplanError("allocator='replay' serves CPU memory only; use allocator='views' on this device")
@@ -218,7 +220,9 @@ class CompiledStep:
                 if self.allocator == "replay"
                 else Plan(tuple(plan.order), plan.offsets, plan.arena_bytes)
             )
-            runner = StepRunner(capture, offsets, self.model, self.optimizers, scaler=self.scaler)
+            runner = StepRunner(
+                capture, offsets, self.model, self.optimizers, scaler=self.scaler, executor=self.executor
+            )
             if self.allocator == "replay":
                 runner = ReplayedStep(runner, time_limit_seconds=self.time_limit_seconds)
             self.runners[key] = runner
@@ -252,6 +256,7 @@ class CompiledStep:
                 else Plan(tuple(plan.order), plan.offsets, plan.arena_bytes),
                 self.model,
                 self.optimizers,
+                executor=self.executor,
             )
         else:
             runner = RematRunner(capture, decided.schedule.steps, self.model, self.optimizers[0])
@@ -304,6 +309,7 @@ def compile(  # the name PyTorch users know (torch.compile)
     recompute_copies: bool = True,
     memory_budget: int | float | str | None = None,
     max_overhead: float | None = None,
+    executor: str = "generated",
 ) -> CompiledStep | Callable[[StepFn], CompiledStep]:
     """Plan the whole step ``fn(batch)`` the user wrote: forward(s), ``backward()``, gradient
     clipping, gradient accumulation over micro-batches, autocast, ``optimizer.step()``,
@@ -315,7 +321,8 @@ def compile(  # the name PyTorch users know (torch.compile)
     decorator when ``fn`` is omitted. A step is planned on its first call for each batch
     shape. The tensor ops of ``fn`` are what runs afterwards: Python side effects other than
     those calls (a counter, a print) happen at capture only, and a step that reads a
-    tensor's value to decide what to do is refused.
+    tensor's value to decide what to do is refused. ``executor="interpreted"`` walks the
+    planned program op by op (the reference) instead of running it as one generated function.
 
     ``memory_budget`` trades compute for memory, as ``torch.utils.checkpoint`` and
     ``torch._functorch.config.activation_memory_budget`` do, but planned: the step's whole
@@ -348,6 +355,7 @@ def compile(  # the name PyTorch users know (torch.compile)
             recompute_copies=recompute_copies,
             memory_budget=memory_budget,
             max_overhead=max_overhead,
+            executor=executor,
         )
 
     return build if fn is None else build(fn)

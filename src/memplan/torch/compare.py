@@ -67,10 +67,14 @@ def compare_with_eager(
     recompute_copies: bool = True,
     memory_budget: int | float | str | None = None,
     max_overhead: float | None = None,
+    executor: str = "generated",
+    time_interpreter: bool = False,
 ) -> dict[str, Any]:
     """The report of ``memplan run``: numerics, measured peak bytes and step seconds of both.
     ``memory_budget``/``max_overhead``: plan within them (:mod:`memplan.torch.run.budget`);
-    the report's ``budget`` then compares the measured peak with the budget."""
+    the report's ``budget`` then compares the measured peak with the budget.
+    ``time_interpreter``: a third copy of the model runs the same plan with the interpreted
+    executor, timed in the same steps (``memplan.interpreted_step_seconds``) and compared too."""
     w = build_workload(model_name, batch_size, seed=seed)
     eager_model = w.model
     memplan_model = copy.deepcopy(w.model)
@@ -79,6 +83,8 @@ def compare_with_eager(
         m.train(train)
     eager_opt = make_optimizer(optimizer_name, eager_model.parameters()) if train else None
     memplan_opt = make_optimizer(optimizer_name, memplan_model.parameters()) if train else None
+    twin_model = copy.deepcopy(w.model) if time_interpreter else None
+    twin_opt = make_optimizer(optimizer_name, twin_model.parameters()) if train and twin_model is not None else None
     batch = (w.inputs, w.target) if train else w.inputs
 
     start = time.perf_counter()
@@ -91,11 +97,13 @@ def compare_with_eager(
         recompute_copies=recompute_copies,
         memory_budget=memory_budget,
         max_overhead=max_overhead,
+        executor=executor,
     )
     runner = step.runner_for(batch)
     plan_seconds = time.perf_counter() - start
+    twin = _interpreted_twin(runner, twin_model, twin_opt, time_limit_seconds) if twin_model is not None else None
 
-    eager, memplan = Side(step_seconds=[]), Side(step_seconds=[])
+    eager, memplan, interpreted = Side(step_seconds=[]), Side(step_seconds=[]), Side(step_seconds=[])
     max_diff = 0.0
     k = 0
 
@@ -105,6 +113,13 @@ def compare_with_eager(
         out_eager, peak_eager, t_eager = _run(lambda: _eager_step(w, eager_model, eager_opt), measure)
         torch.manual_seed(seed + 1000 + k)
         out_memplan, peak_memplan, t_memplan = _run(lambda: step(batch), measure)
+        if twin is not None and not measure:
+            torch.manual_seed(seed + 1000 + k)
+            out_twin, _, t_twin = _run(lambda: twin(batch), False)
+            if timed:
+                interpreted.step_seconds.append(t_twin)
+            max_diff = max(max_diff, _max_abs_diff(out_eager, out_twin), _max_abs_diff(out_memplan, out_twin))
+            max_diff = max(max_diff, _max_abs_diff(_state(twin_model), _state(memplan_model)))
         if measure:
             eager.peak_bytes, memplan.peak_bytes = peak_eager, peak_memplan
         elif timed:
@@ -115,7 +130,7 @@ def compare_with_eager(
         k += 1
 
     # the planned allocator records steps until their allocations repeat (untimed), then replays
-    while not getattr(runner, "replaying", True) and k < MAX_RECORDINGS:
+    while not (getattr(runner, "replaying", True) and getattr(twin, "replaying", True)) and k < MAX_RECORDINGS:
         compared_step(timed=False)
     for _ in range(steps):
         compared_step()
@@ -155,6 +170,8 @@ def compare_with_eager(
             "persistent_bytes": plan.report["persistent_bytes"],
             **memplan_report,
             "step_seconds": memplan.median_seconds(),
+            "executor": executor,
+            **({"interpreted_step_seconds": interpreted.median_seconds()} if twin is not None else {}),
         },
         "eager": {"peak_bytes": resident_eager + eager.peak_bytes, "step_seconds": eager.median_seconds()},
     }
@@ -193,6 +210,17 @@ def _runner_report(runner: StepRunner | ReplayedStep, plan: MemoryPlan) -> dict[
         "out_bytes": runner.stats.out_bytes,
         "copied_ops": dict(sorted(runner.stats.copied_ops.items(), key=lambda kv: -kv[1])),
     }
+
+
+def _interpreted_twin(
+    runner: StepRunner | ReplayedStep, model: torch.nn.Module, optimizer: Any, time_limit_seconds: float
+) -> StepRunner | ReplayedStep:
+    """``runner``'s plan run by the interpreted executor on another copy of the model."""
+    base = runner.run if isinstance(runner, ReplayedStep) else runner
+    twin = StepRunner(
+        base.capture, base.plan, model, [optimizer] if optimizer is not None else [], executor="interpreted"
+    )
+    return ReplayedStep(twin, time_limit_seconds=time_limit_seconds) if isinstance(runner, ReplayedStep) else twin
 
 
 def _run(fn: Any, measure_memory: bool) -> tuple[Any, int, float]:

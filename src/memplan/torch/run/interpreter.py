@@ -35,6 +35,7 @@ from memplan.torch.run.updates import UpdateGroup, check_optimizers, update_grou
 from memplan.torch.tensors import storage_key, tensor_leaves
 
 ARENA_ALIGNMENT_BYTES = 64
+EXECUTORS = ("generated", "interpreted")
 _EMPTY_FACTORIES = {"aten::empty_like", "aten::empty", "aten::empty_strided", "aten::new_empty"}
 
 
@@ -126,7 +127,12 @@ class StepRunner:
         *,
         reuse_dying_inputs: bool = True,
         scaler: Any = None,
+        executor: str = "generated",
     ) -> None:
+        if executor not in EXECUTORS:
+            raise MemplanError(f"executor must be one of {', '.join(EXECUTORS)}, not {executor!r}")
+        self.executor = executor
+        self._generated: Any = None  # the GeneratedStep, written on the first generated step
         self.capture = capture
         self.plan = plan
         self.model = model
@@ -328,9 +334,15 @@ class StepRunner:
 
     @torch.no_grad()
     def run_step(self, batch: Any) -> Any:
-        """Run one step; the backward is in the program, so autograd stays off."""
+        """Run one step; the backward is in the program, so autograd stays off. The generated
+        executor (:mod:`memplan.torch.run.codegen`) runs the instructions as one Python
+        function; the interpreted one walks them (the reference)."""
         env: dict[str, Any] = {}
         self._bind_inputs(env, batch)
+        if self.executor == "generated":
+            generated = self.generated_step()
+            self.stats = RunStats(**generated.static_stats)
+            return self._finish(generated.function(env, self))
         self.stats = RunStats()
         frees = self._frees
         plain = not self.plan.offsets  # the planned allocator serves addresses: ops run as they are
@@ -357,6 +369,14 @@ class StepRunner:
             for name in frees.get(ins.position, ()):
                 env.pop(name, None)
         return self._result(env)
+
+    def generated_step(self) -> Any:
+        """The step written as one function (generated once, on first use)."""
+        if self._generated is None:
+            from memplan.torch.run.codegen import generate
+
+            self._generated = generate(self)
+        return self._generated
 
     def _free_schedule(self) -> dict[int, list[str]]:
         frees: dict[int, list[str]] = {}
@@ -425,9 +445,13 @@ class StepRunner:
         """Make one call of the step's stateful objects (an optimizer's update of one group of
         parameters whose gradients are ready, OLLA 4.3; a scaler's step; ...) for real, with
         the gradients of that moment set as ``.grad`` for the call only."""
+        self._update_with(ins, [_resolve(grad_node, env) for grad_node in ins.grad_nodes])
+
+    def _update_with(self, ins: _Update, grads: Sequence[torch.Tensor]) -> None:
+        """:meth:`_update` with the gradients given (the generated executor's call)."""
         params = [self._params[name] for name in ins.param_names]
-        for param, grad_node in zip(params, ins.grad_nodes, strict=True):
-            param.grad = _resolve(grad_node, env)
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = grad
         region = self.capture.regions[ins.region]
         replay = _ReplayIntoArena(self, ins.traced) if self.plan.offsets else contextlib.nullcontext()
         try:
@@ -446,7 +470,11 @@ class StepRunner:
 
     def _result(self, env: dict[str, Any]) -> Any:
         output_node = next(n for n in self.capture.gm.graph.nodes if n.op == "output")
-        result = _resolve(output_node.args[0], env)
+        return self._finish(_resolve(output_node.args[0], env))
+
+    @staticmethod
+    def _finish(result: Any) -> Any:
+        """The step's result, copied out of the arena."""
         if isinstance(result, (list, tuple)) and len(result) == 1:
             result = result[0]
         return pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), result)
@@ -750,9 +778,12 @@ def _has_node(value: Any) -> bool:
 
 
 def _resolve(value: Any, env: dict[str, Any]) -> Any:
-    def lookup(node: torch.fx.Node) -> Any:
-        if node.target is operator.getitem and node.name not in env:
-            return lookup(node.args[0])[node.args[1]]
-        return env[node.name]
+    # no recursive closure: one would be a reference cycle holding ``env`` (the step's
+    # tensors) alive until the garbage collector runs
+    return pytree.tree_map_only(torch.fx.Node, lambda node: _lookup(node, env), value)
 
-    return pytree.tree_map_only(torch.fx.Node, lookup, value)
+
+def _lookup(node: torch.fx.Node, env: dict[str, Any]) -> Any:
+    if node.target is operator.getitem and node.name not in env:
+        return _lookup(node.args[0], env)[node.args[1]]
+    return env[node.name]

@@ -1,0 +1,252 @@
+"""The planned step as one generated Python function (issue 15: an executor that does not
+interpret).
+
+:class:`memplan.torch.run.interpreter.StepRunner` interprets its instructions one at a time:
+per op it walks a fetcher, looks values up in a dict, dispatches on the strategy, slices the
+arena view, stores and pops names. Here the same instructions are written out once as Python
+source, each op a direct call of its ATen kernel with its arguments as local variables, its
+arena views sliced once and bound as constants, its out= / in-place writes spelled out, every
+free a ``del`` at the planned position, and every optimizer update, hook and rarely used path
+a call of the runner's own method. Python then runs the step at the cost of eager's dispatch:
+one call per op, no interpreter around it. The interpreter stays the reference; generated and
+interpreted steps run the same kernels in the same order on the same storages, so they give
+the same bits (tested in tests/torch/test_codegen.py).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.fx
+from torch.utils import _pytree as pytree
+
+import torch
+
+_INLINE_LITERALS = (bool, int, str, type(None))
+
+
+@dataclass
+class GeneratedStep:
+    """The generated function ``step(env, runner) -> result`` with its source (for reading
+    and debugging), and the statistics every run of it adds up to (``RunStats`` fields of the
+    ops written inline; delegated calls and updates count themselves at run time)."""
+
+    source: str
+    function: Any
+    static_stats: dict[str, Any] = field(default_factory=dict)
+
+
+class _Writer:
+    """Builds the source: names of locals, constants bound into the function's globals."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.globals: dict[str, Any] = {"_runner_cls": type(runner)}
+        self.lines: list[str] = []
+        self.local: dict[str, str] = {}  # fx node name -> local variable holding its value
+        self.assigned: set[str] = set()  # fx node names assigned by an instruction (freed with del)
+        self._constants: dict[int, str] = {}
+
+    def constant(self, value: Any, hint: str = "c") -> str:
+        key = id(value)
+        name = self._constants.get(key)
+        if name is None:
+            name = f"_{hint}{len(self.globals)}"
+            self.globals[name] = value
+            self._constants[key] = name
+        return name
+
+    def var(self, node_name: str) -> str:
+        name = self.local.get(node_name)
+        if name is None:
+            name = f"v{len(self.local)}"
+            self.local[node_name] = name
+        return name
+
+    def expr(self, value: Any) -> str:
+        """Python source for ``value`` with each fx node replaced by the local holding its value
+        (a getitem nobody stored: its tuple's element, as the interpreter's ``_resolve``)."""
+        if isinstance(value, torch.fx.Node):
+            if value.name in self.local:
+                return self.local[value.name]
+            if value.target is operator.getitem:
+                return f"{self.expr(value.args[0])}[{value.args[1]!r}]"
+            return self.var(value.name)  # unbound at run time: fails as the interpreter's lookup does
+        if not _has_node(value):
+            if type(value) in _INLINE_LITERALS:
+                return repr(value)
+            return self.constant(value)
+        if isinstance(value, tuple):
+            return "(" + "".join(f"{self.expr(v)}, " for v in value) + ")"
+        if isinstance(value, list):
+            return "[" + ", ".join(self.expr(v) for v in value) + "]"
+        if isinstance(value, dict):
+            return "{" + ", ".join(f"{k!r}: {self.expr(v)}" for k, v in value.items()) + "}"
+        raise TypeError(f"cannot generate an argument of type {type(value).__name__}")
+
+    def call_args(self, node: torch.fx.Node, extra: dict[str, str] | None = None) -> str:
+        parts = [self.expr(a) for a in node.args]
+        parts += [f"{k}={self.expr(v)}" for k, v in node.kwargs.items()]
+        parts += [f"{k}={v}" for k, v in (extra or {}).items()]
+        return ", ".join(parts)
+
+    def emit(self, line: str) -> None:
+        self.lines.append("    " + line)
+
+
+def generate(runner: Any) -> GeneratedStep:
+    """Write ``runner``'s instructions as one function (see the module docstring)."""
+    from memplan.torch.run.interpreter import RunHook, StepRunner, _Update
+
+    w = _Writer(runner)
+    stats: dict[str, Any] = {"out_bytes": 0, "allocator_bytes": 0, "max_scratch_bytes": 0, "inplace_bytes": 0}
+    env_names = _env_names(runner)
+    for name in env_names:
+        w.emit(f"{w.var(name)} = env[{name!r}]")
+    planned = bool(runner.plan.offsets)
+    for ins in runner.instructions:
+        if isinstance(ins, RunHook):
+            w.emit(f"{w.constant(ins, 'hook')}.run(runner, env)")
+            continue
+        if isinstance(ins, _Update):
+            if type(runner)._update is StepRunner._update:
+                grads = "".join(f"{w.expr(n)}, " for n in ins.grad_nodes)
+                w.emit(f"runner._update_with({w.constant(ins, 'update')}, ({grads}))")
+            else:  # a subclass's own update (it reads the gradients from an env)
+                grads = ", ".join(f"{n.name!r}: {w.expr(n)}" for n in ins.grad_nodes)
+                w.emit(f"runner._update({w.constant(ins, 'update')}, {{{grads}}})")
+        elif planned:
+            _planned_call(w, ins, stats)
+        else:
+            _plain_call(w, ins, stats)
+        _frees(w, runner, ins.position)
+    output = next(n for n in runner.capture.gm.graph.nodes if n.op == "output")
+    w.emit(f"return {w.expr(output.args[0])}")
+    source = "def step(env, runner):\n" + "\n".join(w.lines) + "\n"
+    namespace = dict(w.globals)
+    exec(compile(source, f"<memplan step {id(runner):x}>", "exec"), namespace)
+    return GeneratedStep(source, namespace["step"], stats)
+
+
+def _env_names(runner: Any) -> list[str]:
+    """The values ``_bind_inputs`` puts in ``env``: placeholders and constants."""
+    names = [n.name for n in runner.capture.gm.graph.nodes if n.op == "placeholder"]
+    names += list(runner._static_constants)
+    names += [b.node for b in runner._live_constants]
+    return list(dict.fromkeys(names))
+
+
+def _kernel(w: _Writer, op: Any) -> str:
+    """The op's C++ entry (``OpOverload._op``): the same dispatcher call, one Python frame less."""
+    return w.constant(getattr(op, "_op", op), "op")
+
+
+def _store(w: _Writer, node: torch.fx.Node, expr: str) -> None:
+    """Assign an op's result as the interpreter's ``_store`` keeps it: a tuple read only through
+    getitem element by element, so each element is freed at its own last use."""
+    users = list(node.users)
+    value = node.meta.get("val")
+    if isinstance(value, (tuple, list)) and users and all(u.target is operator.getitem for u in users):
+        w.emit(f"_r = {expr}")
+        for user in users:
+            w.emit(f"{w.var(user.name)} = _r[{user.args[1]!r}]")
+            w.assigned.add(user.name)
+        w.emit("del _r")
+        return
+    w.emit(f"{w.var(node.name)} = {expr}")
+    w.assigned.add(node.name)
+
+
+def _frees(w: _Writer, runner: Any, position: int) -> None:
+    names = [n for n in runner._frees.get(position, ()) if n in w.assigned]
+    for name in names:
+        w.assigned.discard(name)
+    if names:
+        w.emit("del " + ", ".join(w.local[n] for n in names))
+
+
+def _plain_call(w: _Writer, ins: Any, stats: dict[str, Any]) -> None:
+    """No arena offsets (the planned allocator serves the addresses): ops run as they are."""
+    from memplan.torch.run.interpreter import ARENA_KERNELS
+
+    node = ins.node
+    if ins.strategy == "inplace":
+        into = w.expr(node.args[ins.inplace_arg])
+        stats["inplace_bytes"] += ins.fresh[0].meta.untyped_storage().nbytes()
+        _store(w, node, f"{_kernel(w, ins.out_op)}({w.call_args(node, {ins.out_names[0]: into})})")
+        return
+    if ins.strategy == "kernel":
+        meta = ins.fresh[0].meta
+        empty = w.constant(torch.empty_strided, "fn")
+        size, stride = w.constant(tuple(meta.shape), "size"), w.constant(tuple(meta.stride()), "stride")
+        device = w.constant(w.runner.arena.device, "device")
+        _store(w, node, f"{empty}({size}, {stride}, dtype={w.constant(meta.dtype, 'dtype')}, device={device})")
+        write = w.constant(ARENA_KERNELS[node.target._schema.name].write, "write")
+        w.emit(f"{write}({w.local[node.name]}, {w.call_args(node)})")
+        return
+    _store(w, node, f"{_kernel(w, node.target)}({w.call_args(node)})")
+
+
+def _planned_call(w: _Writer, ins: Any, stats: dict[str, Any]) -> None:
+    """Arena offsets: fresh outputs written into their views (sliced once, bound here)."""
+    from memplan.torch.run.interpreter import ARENA_KERNELS, _nbytes, _scratch_bytes
+
+    node = ins.node
+    runner = w.runner
+    simple_out = ins.strategy == "out" and _tensors_only(node.meta.get("val"))
+    if ins.strategy in ("copy",) or (ins.strategy == "out" and not simple_out):
+        # rare: the runner's own path (it counts its statistics itself)
+        place = w.constant(ins, "call")
+        args = w.expr(tuple(node.args))
+        kwargs = w.expr(dict(node.kwargs))
+        _store(w, node, f"runner._place_call({place}, {w.constant(node.target, 'op')}, {args}, {kwargs})")
+        return
+    stats["max_scratch_bytes"] = max(stats["max_scratch_bytes"], _scratch_bytes(ins, _meta_args(runner, node)))
+    if ins.strategy == "plain":
+        stats["allocator_bytes"] += sum(_nbytes(o) for o in ins.fresh)
+        _store(w, node, f"{_kernel(w, node.target)}({w.call_args(node)})")
+        return
+    views = {o.index: w.constant(runner._view(o), "view") for o in ins.fresh if o.offset is not None}
+    stats["out_bytes"] += sum(_nbytes(o) for o in ins.fresh if o.offset is not None)
+    if ins.strategy == "empty":
+        _store(w, node, views[ins.fresh[0].index])
+    elif ins.strategy == "kernel":
+        write = w.constant(ARENA_KERNELS[node.target._schema.name].write, "write")
+        w.emit(f"{write}({views[ins.fresh[0].index]}, {w.call_args(node)})")
+        _store(w, node, views[ins.fresh[0].index])
+    else:  # "out": every output fresh and planned
+        outs = {name: views[o.index] for name, o in zip(ins.out_names, ins.fresh, strict=True)}
+        w.emit(f"{_kernel(w, ins.out_op)}({w.call_args(node, outs)})")
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            _store(w, node, views[0])
+        else:
+            items = ", ".join(views[i] for i in range(len(value)))
+            _store(w, node, f"({items},)" if isinstance(value, tuple) else f"[{items}]")
+
+
+def _tensors_only(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    return isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value)
+
+
+def _meta_args(runner: Any, node: torch.fx.Node) -> Any:
+    """The op's arguments with each node's value: the bound constant where it is one (a
+    parameter), else the traced fake value (shapes, storages' sizes)."""
+
+    def value(n: torch.fx.Node) -> Any:
+        if n.name in runner._static_constants:
+            return runner._static_constants[n.name]
+        return n.meta.get("val")
+
+    return pytree.tree_map_only(torch.fx.Node, value, node.args)
+
+
+def _has_node(value: Any) -> bool:
+    return any(isinstance(leaf, torch.fx.Node) for leaf in pytree.tree_leaves(value))
+
+
+__all__ = ["GeneratedStep", "generate"]
