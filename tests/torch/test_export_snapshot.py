@@ -153,8 +153,9 @@ def test_eager_snapshot_peak_is_the_allocator_peak_and_viz_reads_it() -> None:
     persistent["state"] = optimizer_state_tensors(optimizer)
     snap, loss = eager_snapshot(step, persistent)
     numbers = check_snapshot(snap)
-    # two runs of the same step: equal but for a one-off allocation of a few bytes that one may make
-    assert numbers["peak_allocated_bytes"] == pytest.approx(resident + allocator_peak, abs=1024)
+    # two runs of the same step: equal but for a one-off allocation of a few bytes that one may
+    # make, and kernels' own scratch, which varied by up to 1.4 KB between runs on a busy machine
+    assert numbers["peak_allocated_bytes"] == pytest.approx(resident + allocator_peak, abs=4096)
     assert numbers["peak_reserved_bytes"] == numbers["peak_allocated_bytes"]  # the CPU allocator caches nothing
     frames = {f["name"] for e in snap["device_traces"][0] for f in e["frames"]}
     assert {"aten::addmm", "aten::mm"} <= frames  # attributed to the ops that allocated
