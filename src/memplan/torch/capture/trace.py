@@ -27,10 +27,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 import torch
-from memplan.errors import CaptureError, DataDependentControlFlow, DynamicShape, UnsupportedOp
+from memplan.errors import CaptureError, DataDependentControlFlow, DynamicShape, MemplanError, UnsupportedOp
 from memplan.graph.check import validate_graph
 from memplan.graph.ir import Category, Graph, Op, OpId, Tensor, TensorId
 from memplan.torch.capture.fake import fake_clone_module, fake_mode_of, new_fake_mode, take_literals
+from memplan.torch.capture.hf_masks import MaskGuard, follow_mask_shortcuts
 from memplan.torch.capture.literals import check_literals_repeat
 from memplan.torch.capture.marks import BACKWARD_MARK, CALL_KIND, CALL_MARK, RELEASE_KIND
 from memplan.torch.capture.regions import CallRegion, RegionRecorder
@@ -58,6 +59,8 @@ class Capture:
     # position in the flattened batch -> a leaf that is not a tensor (None, a flag): the trace
     # fixed its value, so a batch must bring the same one (see batch_constants)
     batch_constants: dict[int, Any] = field(default_factory=dict)
+    # HF's mask shortcuts decided from the example batch: later batches must decide the same
+    mask_guards: list[Any] = field(default_factory=list)
     recomputed: list[str] = field(default_factory=list)  # copies run again in the backward (recompute.py)
     # param name -> {state key: ("tensor", shape, dtype) or ("value", type name)}: the optimizer
     # state as eager's step leaves it (read off the fake optimizer after the traced step)
@@ -156,8 +159,10 @@ def capture_step(
             grads = _GradRecorder(model)
         categories = _persistent_categories(model, optimizers, scaler)
         start = time.perf_counter()
+        mask_guards: list[MaskGuard] = []
         try:
-            gm = _trace(run, flat)
+            with follow_mask_shortcuts(batch, mask_guards):
+                gm = _trace(run, flat)
         finally:
             grads.remove()
         _refuse_leftover_gradients(model)
@@ -185,6 +190,7 @@ def capture_step(
     capture.optimizers = list(optimizers)
     capture.scaler = scaler
     capture.batch_constants = batch_constants(flat)
+    capture.mask_guards = mask_guards
     return capture
 
 
@@ -218,6 +224,7 @@ def optimizer_state_meta(model: torch.nn.Module, optimizer: torch.optim.Optimize
 
 def capture_infer_step(model: torch.nn.Module, inputs: Any, *, name: str = "") -> Capture:
     """Capture ``with torch.no_grad(): model(inputs)``."""
+    real_inputs = inputs
     mode = fake_mode_of(model)
     if mode is None:
         mode = new_fake_mode()
@@ -235,8 +242,11 @@ def capture_infer_step(model: torch.nn.Module, inputs: Any, *, name: str = "") -
         _guarded(step, flat)  # once untraced: shows the literals the step makes
     earlier_literals = take_literals(mode)
     start = time.perf_counter()
-    gm = _trace(step, flat)
+    mask_guards: list[MaskGuard] = []
+    with follow_mask_shortcuts(real_inputs, mask_guards):
+        gm = _trace(step, flat)
     capture = _to_capture(gm, categories, set(), "infer", time.perf_counter() - start, name)
+    capture.mask_guards = mask_guards
     check_literals_repeat(gm, dict(zip(capture.node_of_op, capture.op_phase, strict=True)), earlier_literals)
     capture.batch_spec = spec
     capture.batch_constants = batch_constants(flat)
@@ -316,6 +326,8 @@ def _guarded(fn: Callable, *args: Any) -> Any:
 
     try:
         return fn(*args)
+    except MemplanError:
+        raise  # already one line (a refusal made inside the step, e.g. hf_masks)
     except DynamicOutputShapeException as err:
         raise DynamicShape(
             f"op {err.func}{_where(err)} has an output whose size depends on the data; memplan plans static "

@@ -29,6 +29,7 @@ import torch
 from memplan.errors import MemplanError
 from memplan.graph.ir import Graph, TensorId
 from memplan.torch.capture import Capture
+from memplan.torch.capture.hf_masks import check_mask_guards
 from memplan.torch.run.constants import bind_constants
 from memplan.torch.run.selfcheck import SelfCheck
 from memplan.torch.run.updates import UpdateGroup, check_optimizers, update_groups
@@ -320,6 +321,8 @@ class StepRunner:
     def __call__(self, batch: Any) -> Any:
         """Run one step; the first one (and one after :meth:`request_self_check`) under the
         self-check of :mod:`memplan.torch.run.selfcheck`."""
+        if self.capture.mask_guards:
+            check_mask_guards(self.capture.mask_guards, pytree.tree_leaves(batch))
         check, self._next_check = self._next_check, None
         self.last_step_observed = check == "full"
         if check is None:
