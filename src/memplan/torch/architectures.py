@@ -366,9 +366,8 @@ ARCHITECTURES: dict[str, Architecture] = {
             "decoder",
             "LlamaForCausalLM",
             _llama_like("LlamaForCausalLM", "LlamaConfig", batch=_causal_lm_with_ones_mask),
-            # HF drops an all-ones mask for SDPA's is_causal kernel by reading its values, and keeps
-            # it on fakes: the plan would run another kernel (last-bit differences, growing)
-            refused_because="reads the attention mask's values",
+            # HF drops an all-ones mask for SDPA's is_causal kernel by reading its values; capture
+            # follows that decision from the example batch (memplan.torch.capture.hf_masks)
         ),
         Architecture("mistral", "decoder", "MistralForCausalLM", _llama_like("MistralForCausalLM", "MistralConfig")),
         Architecture("qwen2", "decoder", "Qwen2ForCausalLM", _llama_like("Qwen2ForCausalLM", "Qwen2Config")),

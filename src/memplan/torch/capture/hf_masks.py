@@ -1,23 +1,21 @@
 """HF's attention-mask shortcut, which reads the mask's values: followed, guarded, or refused.
 
 With SDPA attention, HF ``transformers`` drops a padding mask that masks nothing and calls
-SDPA's ``is_causal`` kernel instead (``masking_utils._ignore_causal_mask_sdpa`` and its
-bidirectional twin). It decides by reading the mask's values, except while it is traced
-(``is_tracing`` is true for a FakeTensor), when it keeps the mask. A plan captured on fakes
+SDPA's ``is_causal`` kernel instead (``masking_utils._ignore_causal_mask_sdpa``; its
+bidirectional twin drops a mask of zeros, which gives the same bits). It decides by reading
+the mask's values, except while it is traced (``is_tracing`` is true for a FakeTensor), when it
+keeps the mask. A plan captured on fakes
 therefore always runs the masked kernel, while eager runs ``is_causal`` for an all-ones mask:
 exact attention both, but other kernels, other last bits (1e-6 after one step, growing).
 
 So during capture each such decision is made as eager makes it, from the real example batch's
-mask (the batch leaf whose pytree path names a mask and has the traced mask's shape):
-
-- eager would drop the mask: refused in one line (the plan cannot follow a value-dependent
-  kernel choice): pass no attention mask when nothing is padded, or use eager attention;
-- eager keeps it (the example is padded): the plan keeps it too, and every later step checks
-  that its batch's mask would still be kept (:func:`check_mask_guards`), else refuses;
-- no batch leaf can be found for the mask (one the model derives itself, such as a seq2seq
-  decoder's): traced as before, with the mask kept. This is the one case left unchecked: if such
-  a derived mask masks nothing, eager may run the other kernel (BART, T5 and Whisper train
-  bit-exactly in the architecture tests).
+mask (the batch leaf whose pytree path names a mask and has the traced mask's shape), and the
+plan follows it: an all-ones mask is dropped for ``is_causal`` as in eager, a padded one kept.
+Every later step checks that its batch's mask gets the same decision
+(:func:`check_mask_guards`), and refuses in one line where it would not (a padded batch after
+an unpadded example, or the reverse). A mask found in no batch leaf (one the model derives
+itself, such as a seq2seq decoder's) is traced as before, with the mask kept: the one case left
+unchecked (BART, T5 and Whisper train bit-exactly in the architecture tests).
 """
 
 from __future__ import annotations
@@ -35,23 +33,29 @@ from torch.utils._python_dispatch import _disable_current_modes
 import torch
 from memplan.errors import UnsupportedOp
 
-SKIP_CHECKS = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
+# The causal one only: dropping a bidirectional all-ones mask leaves SDPA's CPU kernel adding
+# zeros, the same bits (BERT with an all-ones mask trains bit-exactly in tests/torch/test_loops.py),
+# while the causal one switches to is_causal, which skips blocks and sums in another order.
+SKIP_CHECKS = ("_ignore_causal_mask_sdpa",)
 
 
 @dataclass(frozen=True)
 class MaskGuard:
-    """At run time, ``decide(mask_leaf)`` must stay False (HF keeps the mask), as at capture."""
+    """At run time, ``decide(mask_leaf)`` must give ``expected``, HF's decision at capture."""
 
     leaf: int  # position in the flattened batch
     name: str  # the HF function that decides
     decide: Callable[[torch.Tensor], bool]
+    expected: bool  # True: the mask was dropped for SDPA's is_causal
 
 
-def _refusal(what: str) -> UnsupportedOp:
+def _refusal(guard: MaskGuard) -> UnsupportedOp:
+    planned, now = ("dropped", "keeps") if guard.expected else ("kept", "drops")
     return UnsupportedOp(
-        f"HF attention reads the attention mask's values to choose SDPA's kernel ({what}), which a plan "
-        "cannot follow bit for bit: pass no attention_mask when nothing is padded, or build the model with "
-        "attn_implementation='eager'"
+        f"HF attention reads the attention mask's values to choose SDPA's kernel ({guard.name}): the plan "
+        f"{planned} the example batch's mask, but eager {now} this batch's, another kernel with other bits; "
+        "make a plan per kind of batch (padded or not, e.g. pass no attention_mask when nothing is padded), "
+        "or build the model with attn_implementation='eager'"
     )
 
 
@@ -97,10 +101,8 @@ def follow_mask_shortcuts(real_batch: Any, guards: list[MaskGuard]) -> Iterator[
 
             with _disable_current_modes():  # decide on the real mask, outside the fake and tracing modes
                 skip = eager_would_skip(real_flat[leaf])
-            if skip:
-                raise _refusal(f"{name} drops the example batch's {paths[leaf]}, which masks nothing")
-            guards.append(MaskGuard(leaf, name, eager_would_skip))
-            return False
+            guards.append(MaskGuard(leaf, name, eager_would_skip, skip))
+            return skip
 
         return decide
 
@@ -114,7 +116,7 @@ def follow_mask_shortcuts(real_batch: Any, guards: list[MaskGuard]) -> Iterator[
 
 
 def check_mask_guards(guards: Sequence[MaskGuard], flat_batch: Sequence[Any]) -> None:
-    """Refuse a batch whose mask HF would drop in eager (the plan keeps it: other bits)."""
+    """Refuse a batch whose mask HF would treat otherwise in eager than at capture."""
     for guard in guards:
-        if guard.decide(flat_batch[guard.leaf]):
-            raise _refusal(f"{guard.name} would drop this batch's mask, which masks nothing, where the plan keeps it")
+        if guard.decide(flat_batch[guard.leaf]) != guard.expected:
+            raise _refusal(guard)
