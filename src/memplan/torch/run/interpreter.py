@@ -126,6 +126,7 @@ class StepRunner:
         *,
         reuse_dying_inputs: bool = True,
         scaler: Any = None,
+        arena: torch.Tensor | None = None,
     ) -> None:
         self.capture = capture
         self.plan = plan
@@ -137,8 +138,11 @@ class StepRunner:
         self.graph = capture.graph
         self.nodes = {n.name: n for n in capture.gm.graph.nodes}
         self._check_plan()
-        # zeros, not empty: the pages are mapped now, not on first touch in the first step
-        self.arena = torch.zeros(plan.arena_bytes, dtype=torch.uint8, device=device)
+        # zeros, not empty: the pages are mapped now, not on first touch in the first step;
+        # ``arena``: a block shared with the plans of other shapes (memplan.torch.run.arena)
+        if arena is not None and arena.numel() < plan.arena_bytes:
+            raise MemplanError(f"the arena holds {arena.numel()} bytes, the plan needs {plan.arena_bytes}")
+        self.arena = arena if arena is not None else torch.zeros(plan.arena_bytes, dtype=torch.uint8, device=device)
         self.instructions = self._compile()
         self.last_use = self._last_uses()
         self._frees = self._free_schedule()
