@@ -22,7 +22,8 @@ from memplan.torch.zoo import list_models
 
 HEADER = (
     "| model | batch | optimizer | allocator | max abs diff | eager peak | memplan peak | planned peak "
-    "| graph estimate | memplan / eager | measured / planned | left to allocator | eager s | memplan s | time ratio |"
+    "| graph estimate | memplan / eager | measured / planned | left to allocator | eager s | memplan s | time ratio "
+    "| eager RSS | memplan RSS | RSS ratio |"
 )
 
 
@@ -36,6 +37,11 @@ NOTES = [
     "that did not come from the "
     "arena (with `replay`: the returned loss and a few scalars). Times: medians of the timed steps, eager and "
     "memplan interleaved in one process; the planned allocator's recording steps are not timed.",
+    "*eager RSS*, *memplan RSS*: memory as the operating system sees it, the peak resident set (`VmHWM`) of "
+    "the whole process during two steady-state steps, each side trained in a fresh process of its own "
+    "(`memplan.torch.compare.steady_state_rss`: warm-up, then `VmHWM` reset through `/proc/self/clear_refs`). "
+    "It includes the Python interpreter, torch's libraries and memplan's own objects (captures, plans), which no "
+    "plan counts; *memplan peak* above counts allocations only.",
 ]
 
 
@@ -57,8 +63,16 @@ def row(r: dict) -> str:
         f"| {format_bytes(m.get('graph_planned_peak_bytes', planned))} "
         f"| {m['peak_bytes'] / e['peak_bytes']:.3f} | {m['peak_bytes'] / planned:.3f} "
         f"| {100 * fallback_share(m):.2f}% "
-        f"| {e['step_seconds']:.3f} | {m['step_seconds']:.3f} | {m['step_seconds'] / e['step_seconds']:.3f} |"
+        f"| {e['step_seconds']:.3f} | {m['step_seconds']:.3f} | {m['step_seconds'] / e['step_seconds']:.3f} "
+        f"| {rss_cells(r)} |"
     )
+
+
+def rss_cells(r: dict) -> str:
+    if "rss" not in r:
+        return "- | - | -"
+    eager, memplan = r["rss"]["eager"]["peak_rss_bytes"], r["rss"]["memplan"]["peak_rss_bytes"]
+    return f"{format_bytes(eager)} | {format_bytes(memplan)} | {memplan / eager:.3f}"
 
 
 def main() -> None:
@@ -70,6 +84,7 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=10.0)
     parser.add_argument("--allocator", default="auto", choices=["auto", "replay", "views"])
     parser.add_argument("--no-recompute", action="store_true", help="keep every forward copy (no recomputed cat/clone)")
+    parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS runs (two extra processes per model)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--from-json", default=None, help="rebuild the table from a previous run's JSON")
     args = parser.parse_args()
@@ -91,6 +106,7 @@ def main() -> None:
             time_limit_seconds=args.time_limit,
             allocator=args.allocator,
             recompute_copies=not args.no_recompute,
+            rss=not args.no_rss,
         )
         reports.append(r)
         rows.append(row(r))
