@@ -23,7 +23,7 @@ from memplan.torch.zoo import list_models
 HEADER = (
     "| model | batch | optimizer | allocator | max abs diff | eager peak | memplan peak | planned peak "
     "| graph estimate | memplan / eager | measured / planned | left to allocator | eager s | memplan s | time ratio "
-    "| eager RSS | memplan RSS | RSS ratio |"
+    "| eager RSS | memplan RSS | RSS ratio | RSS beyond the claim, memplan - eager |"
 )
 
 
@@ -41,7 +41,9 @@ NOTES = [
     "the whole process during two steady-state steps, each side trained in a fresh process of its own "
     "(`memplan.torch.compare.steady_state_rss`: warm-up, then `VmHWM` reset through `/proc/self/clear_refs`). "
     "It includes the Python interpreter, torch's libraries and memplan's own objects (captures, plans), which no "
-    "plan counts; *memplan peak* above counts allocations only.",
+    "plan counts; *memplan peak* above counts allocations only. *RSS beyond the claim*: (memplan RSS - planned "
+    "peak) - (eager RSS - eager peak), the resident bytes memplan holds that its plan does not claim, above what "
+    "eager holds beyond its own measured peak (the interpreter, captures and plans, heap the C library kept).",
 ]
 
 
@@ -70,9 +72,13 @@ def row(r: dict) -> str:
 
 def rss_cells(r: dict) -> str:
     if "rss" not in r:
-        return "- | - | -"
+        return "- | - | - | -"
     eager, memplan = r["rss"]["eager"]["peak_rss_bytes"], r["rss"]["memplan"]["peak_rss_bytes"]
-    return f"{format_bytes(eager)} | {format_bytes(memplan)} | {memplan / eager:.3f}"
+    # what the process holds beyond what each side claims (eager: its measured peak; memplan: the plan)
+    beyond = (memplan - r["memplan"]["planned_peak_bytes"]) - (eager - r["eager"]["peak_bytes"])
+    sign = "-" if beyond < 0 else "+"
+    ratio = memplan / eager
+    return f"{format_bytes(eager)} | {format_bytes(memplan)} | {ratio:.3f} | {sign}{format_bytes(abs(beyond))}"
 
 
 def main() -> None:
