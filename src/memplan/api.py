@@ -39,6 +39,7 @@ from memplan.errors import MemplanError
 from memplan.pipeline import MemoryPlan, make_plan
 from memplan.torch.capture import Capture, capture_infer_step, capture_step
 from memplan.torch.capture.trace import standard_step
+from memplan.torch.rss import release_free_memory
 from memplan.torch.run.arena import LruCache, SharedArena
 from memplan.torch.run.interpreter import Plan, StepRunner, allocator_tensors, optimizer_update_groups
 from memplan.torch.run.replay import ReplayedStep
@@ -249,6 +250,7 @@ class CompiledStep:
             self._kept.put(key, (runner, plan))  # the evicted plans are dropped here
             self.plans_made += 1
             self._fit_arena()
+            release_free_memory()  # what capture and the solvers freed goes back to the OS
             self.planning_seconds += time.perf_counter() - start
             kept = self._kept[key]
         return kept[0]

@@ -114,6 +114,9 @@ class ReplayedStep:
             result = self.run(batch)
         finally:
             trace = allocator.end_record()
+        # the step ran on the ordinary allocator: the C library keeps its freed blocks in a heap
+        # that the plans' objects fragment, and the process would grow with every new shape
+        release_free_memory()
         self.recordings += 1
         if getattr(self.run, "last_step_observed", False):
             return result  # the self-check's dispatch mode changed this step's allocations: record again
