@@ -34,16 +34,19 @@ class SharedArena:
         self.tensor = torch.empty(0, dtype=torch.uint8, device=self.device)
         self.allocations = 0  # how many times a block was allocated (first one and regrowths)
         self.largest_bytes = 0
+        self.target_bytes = 0  # what the kept plans need (set by fit): a regrowth allocates at least this
 
     @property
     def nbytes(self) -> int:
         return self.tensor.numel()
 
     def reserve(self, nbytes: int) -> torch.Tensor:
-        """The arena, at least ``nbytes`` long: reallocated (old block freed first) if smaller."""
+        """The arena, at least ``nbytes`` long: reallocated (old block freed first) if smaller,
+        then at the size the kept plans need if that is more (one regrowth, not one per shape)."""
         if nbytes < 0:
             raise MemplanError(f"an arena cannot hold {nbytes} bytes")
         if nbytes > self.nbytes:
+            nbytes = max(nbytes, self.target_bytes)
             self.release()
             # zeros, not empty: the pages are mapped now, in an untimed planning step, not on
             # first touch inside the first replayed step
@@ -60,7 +63,8 @@ class SharedArena:
 
     def fit(self, nbytes: int) -> torch.Tensor:
         """The arena at exactly ``nbytes`` when it is larger (the plans that needed more were
-        evicted) or smaller; unchanged when equal."""
+        evicted) or smaller; unchanged when equal. Later regrowths (after a release) go to this size."""
+        self.target_bytes = nbytes
         if nbytes != self.nbytes:
             self.release()
         return self.reserve(nbytes)
