@@ -75,6 +75,8 @@ def train(side: str, lengths: list[int], seed: int, max_plans: int, state_path: 
         reset_peak_rss()
         torch.manual_seed(seed + step)  # dropout
         start = time.perf_counter()
+        # replayed: served at planned offsets in the arena (else the ordinary allocator: first visit, recording)
+        replayed = compiled is not None and getattr(compiled.runner_for(batch), "replaying", True)
         loss = eager_step(batch) if compiled is None else compiled(batch)
         seconds = time.perf_counter() - start
         row = {
@@ -84,6 +86,7 @@ def train(side: str, lengths: list[int], seed: int, max_plans: int, state_path: 
             "rss_after_bytes": rss_bytes(),
             "seconds": seconds,
             "loss": float(loss),
+            "replayed": replayed,
             "loss_hex": loss.float().numpy().tobytes().hex(),
         }
         if compiled is not None:
@@ -145,8 +148,8 @@ def report(args: argparse.Namespace, lengths: list[int], eager: dict, planned: d
         f"| peak RSS of a step at the longest length ({longest}) | {mib(eager_longest)} | "
         f"{mib(max(r['peak_rss_bytes'] for r in m_rows if r['length'] == longest))} |",
         f"| peak RSS of a step replayed in the arena / of one on the ordinary allocator | - | "
-        f"{mib(max((r['peak_rss_bytes'] for r in m_rows if r['arena_bytes']), default=0))} / "
-        f"{mib(max((r['peak_rss_bytes'] for r in m_rows if not r['arena_bytes']), default=0))} |",
+        f"{mib(max((r['peak_rss_bytes'] for r in m_rows if r['replayed']), default=0))} / "
+        f"{mib(max((r['peak_rss_bytes'] for r in m_rows if not r['replayed']), default=0))} |",
         f"| RSS after the last step | {mib(e_rows[-1]['rss_after_bytes'])} | {mib(last['rss_after_bytes'])} |",
         f"| seconds, all steps (planning and recording included) | {eager_seconds:.1f} | {memplan_seconds:.1f} |",
         f"| plans made / kept at the end / evicted | - | {last['plans_made']} / {last['plans_kept']} / "
@@ -155,7 +158,7 @@ def report(args: argparse.Namespace, lengths: list[int], eager: dict, planned: d
         f"| largest shared arena held / times (re)allocated | - | {mib(max(r['arena_bytes'] for r in m_rows))} / "
         f"{last['arena_allocations']} |",
         f"| steps replayed in the arena / run on the ordinary allocator (first visit, recording) | - | "
-        f"{sum(r['arena_bytes'] > 0 for r in m_rows)} / {sum(r['arena_bytes'] == 0 for r in m_rows)} |",
+        f"{sum(r['replayed'] for r in m_rows)} / {sum(not r['replayed'] for r in m_rows)} |",
         f"| steps whose loss is bitwise eager's | {len(lengths)} | {bitwise} |",
         f"| max abs diff of the loss over all steps | - | {max(loss_diffs)} |",
         f"| max abs diff of the parameters after the last step | - | {param_diff} |",
@@ -165,12 +168,14 @@ def report(args: argparse.Namespace, lengths: list[int], eager: dict, planned: d
         "",
         "Step by step (peak RSS during the step, `VmHWM` reset before it):",
         "",
-        "| step | length | eager peak RSS | memplan peak RSS | loss diff | memplan plans made | memplan s | eager s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| step | length | eager peak RSS | memplan peak RSS | memplan replayed | loss diff | memplan plans made "
+        "| memplan s | eager s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for e, m, d in zip(e_rows, m_rows, loss_diffs, strict=True):
         lines.append(
-            f"| {e['step']} | {e['length']} | {mib(e['peak_rss_bytes'])} | {mib(m['peak_rss_bytes'])} | {d} "
+            f"| {e['step']} | {e['length']} | {mib(e['peak_rss_bytes'])} | {mib(m['peak_rss_bytes'])} "
+            f"| {'yes' if m['replayed'] else 'no'} | {d} "
             f"| {m['plans_made']} | {m['seconds']:.2f} | {e['seconds']:.2f} |"
         )
     lines += [
