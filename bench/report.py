@@ -17,9 +17,16 @@ ORDER = [
     "run-b1",
     "run-b32",
     "optimizers",
+    "loops",
+    "architectures",
     "remat",
     "remat_maxbatch",
     "remat_run",
+    "remat_portfolio",
+    "budget",
+    "streams",
+    "ddp",
+    "export",
 ]
 
 

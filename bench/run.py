@@ -23,7 +23,8 @@ from memplan.torch.zoo import list_models
 HEADER = (
     "| model | batch | optimizer | allocator | max abs diff | eager peak | memplan peak | planned peak "
     "| graph estimate | memplan / eager | measured / planned | left to allocator | eager s | memplan s | time ratio "
-    "| interpreted s | interpreted ratio |"
+    "| interpreted s | interpreted ratio | eager RSS | memplan RSS | RSS ratio "
+    "| RSS beyond the claim, memplan - eager |"
 )
 
 
@@ -40,6 +41,13 @@ NOTES = [
     "generated executor (the planned step written once as one Python function, `memplan.torch.run.codegen`); "
     "*interpreted s* the same plan run by the op-by-op interpreter on a third copy of the model, timed in the same "
     "steps.",
+    "*eager RSS*, *memplan RSS*: memory as the operating system sees it, the peak resident set (`VmHWM`) of "
+    "the whole process during two steady-state steps, each side trained in a fresh process of its own "
+    "(`memplan.torch.compare.steady_state_rss`: warm-up, then `VmHWM` reset through `/proc/self/clear_refs`). "
+    "It includes the Python interpreter, torch's libraries and memplan's own objects (captures, plans), which no "
+    "plan counts; *memplan peak* above counts allocations only. *RSS beyond the claim*: (memplan RSS - planned "
+    "peak) - (eager RSS - eager peak), the resident bytes memplan holds that its plan does not claim, above what "
+    "eager holds beyond its own measured peak (the interpreter, captures and plans, heap the C library kept).",
 ]
 
 
@@ -62,7 +70,7 @@ def row(r: dict) -> str:
         f"| {m['peak_bytes'] / e['peak_bytes']:.3f} | {m['peak_bytes'] / planned:.3f} "
         f"| {100 * fallback_share(m):.2f}% "
         f"| {e['step_seconds']:.3f} | {m['step_seconds']:.3f} | {m['step_seconds'] / e['step_seconds']:.3f} "
-        f"| {_interpreted(m, e)} |"
+        f"| {_interpreted(m, e)} | {rss_cells(r)} |"
     )
 
 
@@ -70,6 +78,17 @@ def _interpreted(m: dict, e: dict) -> str:
     """The interpreted executor's time on the same plan and its ratio to eager (older runs: none)."""
     seconds = m.get("interpreted_step_seconds")
     return "- | -" if seconds is None else f"{seconds:.3f} | {seconds / e['step_seconds']:.3f}"
+
+
+def rss_cells(r: dict) -> str:
+    if "rss" not in r:
+        return "- | - | - | -"
+    eager, memplan = r["rss"]["eager"]["peak_rss_bytes"], r["rss"]["memplan"]["peak_rss_bytes"]
+    # what the process holds beyond what each side claims (eager: its measured peak; memplan: the plan)
+    beyond = (memplan - r["memplan"]["planned_peak_bytes"]) - (eager - r["eager"]["peak_bytes"])
+    sign = "-" if beyond < 0 else "+"
+    ratio = memplan / eager
+    return f"{format_bytes(eager)} | {format_bytes(memplan)} | {ratio:.3f} | {sign}{format_bytes(abs(beyond))}"
 
 
 def main() -> None:
@@ -81,6 +100,7 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=10.0)
     parser.add_argument("--allocator", default="auto", choices=["auto", "replay", "views"])
     parser.add_argument("--no-recompute", action="store_true", help="keep every forward copy (no recomputed cat/clone)")
+    parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS runs (two extra processes per model)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--from-json", default=None, help="rebuild the table from a previous run's JSON")
     args = parser.parse_args()
@@ -103,6 +123,7 @@ def main() -> None:
             allocator=args.allocator,
             recompute_copies=not args.no_recompute,
             time_interpreter=True,
+            rss=not args.no_rss,
         )
         reports.append(r)
         rows.append(row(r))

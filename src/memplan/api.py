@@ -28,6 +28,7 @@ ordinary objects.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,6 +39,8 @@ from memplan.errors import MemplanError
 from memplan.pipeline import MemoryPlan, make_plan
 from memplan.torch.capture import Capture, capture_infer_step, capture_step
 from memplan.torch.capture.trace import standard_step
+from memplan.torch.rss import release_free_memory
+from memplan.torch.run.arena import LruCache, SharedArena
 from memplan.torch.run.interpreter import Plan, StepRunner, allocator_tensors, optimizer_update_groups
 from memplan.torch.run.replay import ReplayedStep
 from memplan.torch.run.updates import check_optimizers
@@ -134,8 +137,17 @@ def resolve_allocator(name: str) -> str:
     return "replay" if allocator.available() else "views"
 
 
+DEFAULT_MAX_PLANS = 8
+
+
 class CompiledStep:
-    """A planned training (or inference) step function; call it with a batch."""
+    """A planned training (or inference) step function; call it with a batch.
+
+    Each batch shape (and model mode) gets its own plan; all of them share one arena, sized for
+    the largest kept plan, and at most ``max_plans`` plans are kept, the least recently used
+    evicted (Sekiyama et al. 4.3), so memory does not grow with the number of distinct shapes.
+    ``plans_made`` and ``planning_seconds`` say what re-planning cost.
+    """
 
     def __init__(
         self,
@@ -152,6 +164,7 @@ class CompiledStep:
         memory_budget: int | float | str | None = None,
         max_overhead: float | None = None,
         executor: str = "generated",
+        max_plans: int = DEFAULT_MAX_PLANS,
     ) -> None:
         self.executor = executor
         on_cpu = all(t.device.type == "cpu" for t in [*model.parameters(), *model.buffers()])
@@ -175,8 +188,30 @@ class CompiledStep:
             check_max_overhead(max_overhead)
             if memory_budget is not None:
                 parse_memory_budget(memory_budget, 1)  # a malformed budget is refused now, not at the first call
-        self.runners: dict[tuple, StepRunner | ReplayedStep] = {}
-        self.plans: dict[tuple, MemoryPlan] = {}
+        self._own_arena: set[int] = set()  # runners (views-mode budget plans) that keep their own arena
+        device = next(iter([*model.parameters(), *model.buffers()]), torch.empty(0)).device
+        self.arena = SharedArena(device)  # one arena for every shape (Sekiyama 4.3)
+        self._kept: LruCache[tuple[StepRunner | ReplayedStep, MemoryPlan]] = LruCache(max_plans)
+        self.plans_made = 0
+        self.planning_seconds = 0.0  # capture and graph plan, for every shape (the placement of recorded steps too)
+
+    @property
+    def max_plans(self) -> int:
+        return self._kept.max_entries
+
+    @property
+    def runners(self) -> dict[tuple, StepRunner | ReplayedStep]:
+        """The kept runners by (shape, mode) key, least recently used first."""
+        return {key: self._kept[key][0] for key in self._kept}
+
+    @property
+    def plans(self) -> dict[tuple, MemoryPlan]:
+        """The kept plans by (shape, mode) key, least recently used first."""
+        return {key: self._kept[key][1] for key in self._kept}
+
+    @property
+    def evictions(self) -> int:
+        return self._kept.evictions
 
     @classmethod
     def of_loss(
@@ -193,12 +228,23 @@ class CompiledStep:
         return cls(standard_step(model, optimizer, loss_fn), model, [optimizer], **options)
 
     def __call__(self, batch: Any) -> Any:
-        return self.runner_for(batch)(batch)
+        runner = self.runner_for(batch)
+        if not isinstance(runner, ReplayedStep):
+            return runner(batch)
+        was_replaying, placing_seconds = runner.replaying, runner.planning_seconds
+        result = runner(batch)
+        self.planning_seconds += runner.planning_seconds - placing_seconds
+        if runner.replaying and not was_replaying:
+            self._fit_arena()  # placed: the arena at the size the kept plans need
+        return result
 
     def runner_for(self, batch: Any) -> StepRunner | ReplayedStep:
-        """The runner for this batch's shapes and the model's modes, planned on first use."""
+        """The runner for this batch's shapes and the model's modes, planned on first use; the
+        least recently used plan is dropped when more than ``max_plans`` are kept."""
         key = (shape_key(batch), mode_key(self.model))
-        if key not in self.runners:
+        kept = self._kept.get(key)
+        if kept is None:
+            start = time.perf_counter()
             capture, plan = plan_step(
                 self.fn,
                 batch,
@@ -211,22 +257,63 @@ class CompiledStep:
                 allocator=self.allocator,
                 recompute_copies=self.recompute_copies,
             )
-            self.plans[key] = plan
             if self.memory_budget is not None or self.max_overhead is not None:
-                self.runners[key] = self._budget_runner(capture, plan, batch)
-                return self.runners[key]
-            offsets = (
-                Plan(tuple(plan.order))
-                if self.allocator == "replay"
-                else Plan(tuple(plan.order), plan.offsets, plan.arena_bytes)
-            )
-            runner = StepRunner(
-                capture, offsets, self.model, self.optimizers, scaler=self.scaler, executor=self.executor
-            )
-            if self.allocator == "replay":
-                runner = ReplayedStep(runner, time_limit_seconds=self.time_limit_seconds)
-            self.runners[key] = runner
-        return self.runners[key]
+                runner: StepRunner | ReplayedStep = self._budget_runner(capture, plan, batch)
+            elif self.allocator == "replay":
+                runner = ReplayedStep(
+                    StepRunner(
+                        capture,
+                        Plan(tuple(plan.order)),
+                        self.model,
+                        self.optimizers,
+                        scaler=self.scaler,
+                        executor=self.executor,
+                    ),
+                    time_limit_seconds=self.time_limit_seconds,
+                    arena=self.arena,
+                )
+            else:
+                self._unbind_views()  # the old block must have no other holder when it grows
+                arena = self.arena.reserve(plan.arena_bytes)
+                runner = StepRunner(
+                    capture,
+                    Plan(tuple(plan.order), plan.offsets, plan.arena_bytes),
+                    self.model,
+                    self.optimizers,
+                    scaler=self.scaler,
+                    arena=arena,
+                    executor=self.executor,
+                )
+            self._kept.put(key, (runner, plan))  # the evicted plans are dropped here
+            self.plans_made += 1
+            self._fit_arena()
+            release_free_memory()  # what capture and the solvers freed goes back to the OS
+            self.planning_seconds += time.perf_counter() - start
+            kept = self._kept[key]
+        return kept[0]
+
+    def _needed_arena_bytes(self) -> int:
+        """The largest arena a kept plan uses (0 for a replayed step still recording)."""
+        sizes = [
+            (r.plan.arena_bytes if r.plan is not None else 0) if isinstance(r, ReplayedStep) else r.plan.arena_bytes
+            for r, _ in self._kept.values()
+            if id(r) not in self._own_arena
+        ]
+        return max(sizes, default=0)
+
+    def _unbind_views(self) -> None:
+        for runner, _ in self._kept.values():
+            if isinstance(runner, StepRunner) and id(runner) not in self._own_arena:
+                runner.arena = torch.empty(0, dtype=torch.uint8, device=self.arena.device)
+
+    def _fit_arena(self) -> None:
+        """The shared arena at the size the kept plans need: smaller once the plans that needed
+        more were evicted, never one block per shape."""
+        self._unbind_views()
+        arena = self.arena.fit(self._needed_arena_bytes())
+        for runner, _ in self._kept.values():
+            if isinstance(runner, StepRunner) and id(runner) not in self._own_arena:
+                runner.arena = arena
 
     def _budget_runner(self, capture: Capture, plan: MemoryPlan, batch: Any) -> StepRunner | ReplayedStep:
         """The runner within ``memory_budget``/``max_overhead`` (:mod:`memplan.torch.run.budget`):
@@ -261,7 +348,8 @@ class CompiledStep:
         else:
             runner = RematRunner(capture, decided.schedule.steps, self.model, self.optimizers[0])
         if self.allocator == "replay":
-            runner = ReplayedStep(runner, time_limit_seconds=self.time_limit_seconds)
+            return ReplayedStep(runner, time_limit_seconds=self.time_limit_seconds, arena=self.arena)
+        self._own_arena.add(id(runner))
         return runner
 
     @property
@@ -310,6 +398,7 @@ def compile(  # the name PyTorch users know (torch.compile)
     memory_budget: int | float | str | None = None,
     max_overhead: float | None = None,
     executor: str = "generated",
+    max_plans: int = DEFAULT_MAX_PLANS,
 ) -> CompiledStep | Callable[[StepFn], CompiledStep]:
     """Plan the whole step ``fn(batch)`` the user wrote: forward(s), ``backward()``, gradient
     clipping, gradient accumulation over micro-batches, autocast, ``optimizer.step()``,
@@ -319,7 +408,8 @@ def compile(  # the name PyTorch users know (torch.compile)
     ``scheduler`` (one or a list of LR schedulers) are the objects ``fn`` uses; memplan swaps
     fakes into them while it captures and makes their calls for real at run time. Used as a
     decorator when ``fn`` is omitted. A step is planned on its first call for each batch
-    shape. The tensor ops of ``fn`` are what runs afterwards: Python side effects other than
+    shape (at most ``max_plans`` kept, least recently used evicted; one arena for all).
+    The tensor ops of ``fn`` are what runs afterwards: Python side effects other than
     those calls (a counter, a print) happen at capture only, and a step that reads a
     tensor's value to decide what to do is refused. ``executor="interpreted"`` walks the
     planned program op by op (the reference) instead of running it as one generated function.
@@ -356,6 +446,7 @@ def compile(  # the name PyTorch users know (torch.compile)
             memory_budget=memory_budget,
             max_overhead=max_overhead,
             executor=executor,
+            max_plans=max_plans,
         )
 
     return build if fn is None else build(fn)
@@ -373,6 +464,7 @@ def compile_step(
     recompute_copies: bool = True,
     memory_budget: int | float | str | None = None,
     max_overhead: float | None = None,
+    max_plans: int = DEFAULT_MAX_PLANS,
 ) -> CompiledStep:
     """Plan ``loss = loss_fn(model(inputs), target); loss.backward(); optimizer.step();
     optimizer.zero_grad(set_to_none=True)`` for ``example_batch = (inputs, target)`` and return
@@ -391,6 +483,7 @@ def compile_step(
         recompute_copies=recompute_copies,
         memory_budget=memory_budget,
         max_overhead=max_overhead,
+        max_plans=max_plans,
     )
     step.runner_for(example_batch)
     return step

@@ -4,6 +4,8 @@ seed; compare loss and parameters after every step, and measured memory and time
 from __future__ import annotations
 
 import copy
+import gc
+import multiprocessing
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +16,7 @@ from memplan.errors import MemplanError
 from memplan.pipeline import MemoryPlan
 from memplan.torch.capture import call_model
 from memplan.torch.measure import allocator_peak_bytes, optimizer_state_tensors, resident_bytes
+from memplan.torch.rss import peak_rss_bytes, reset_peak_rss, rss_bytes
 from memplan.torch.run.interpreter import StepRunner
 from memplan.torch.run.replay import MAX_RECORDINGS, ReplayedStep
 from memplan.torch.zoo import Workload, build_workload, make_optimizer
@@ -69,12 +72,15 @@ def compare_with_eager(
     max_overhead: float | None = None,
     executor: str = "generated",
     time_interpreter: bool = False,
+    rss: bool = False,
 ) -> dict[str, Any]:
     """The report of ``memplan run``: numerics, measured peak bytes and step seconds of both.
     ``memory_budget``/``max_overhead``: plan within them (:mod:`memplan.torch.run.budget`);
     the report's ``budget`` then compares the measured peak with the budget.
     ``time_interpreter``: a third copy of the model runs the same plan with the interpreted
-    executor, timed in the same steps (``memplan.interpreted_step_seconds``) and compared too."""
+    executor, timed in the same steps (``memplan.interpreted_step_seconds``) and compared too.
+    ``rss``: also the peak resident set of a steady-state step of each, each measured in a
+    process of its own (:func:`steady_state_rss`)."""
     w = build_workload(model_name, batch_size, seed=seed)
     eager_model = w.model
     memplan_model = copy.deepcopy(w.model)
@@ -153,6 +159,17 @@ def compare_with_eager(
             if eager.median_seconds()
             else None,
         }
+    rss_report = {}
+    if rss and train:
+        options = {"optimizer_name": optimizer_name, "time_limit_seconds": time_limit_seconds, "seed": seed}
+        rss_report = {
+            "rss": {
+                "eager": steady_state_rss(model_name, batch_size, "eager", **options),
+                "memplan": steady_state_rss(
+                    model_name, batch_size, step.allocator, recompute_copies=recompute_copies, **options
+                ),
+            }
+        }
     return {
         "model": model_name,
         "batch_size": batch_size,
@@ -174,7 +191,84 @@ def compare_with_eager(
             **({"interpreted_step_seconds": interpreted.median_seconds()} if twin is not None else {}),
         },
         "eager": {"peak_bytes": resident_eager + eager.peak_bytes, "step_seconds": eager.median_seconds()},
+        **rss_report,
     }
+
+
+RSS_MEASURED_STEPS = 2
+
+
+def steady_state_rss(
+    model_name: str,
+    batch_size: int,
+    side: str,
+    *,
+    optimizer_name: str = "adam",
+    time_limit_seconds: float = 10.0,
+    seed: int = 0,
+    recompute_copies: bool = True,
+) -> dict[str, int]:
+    """Memory as the operating system sees it: train ``model_name`` in a fresh process (spawned,
+    so nothing of this one is shared) with ``side`` = "eager" or a memplan allocator ("views",
+    "replay"); after the warm-up (memplan: until the plan replays, then one step more) reset the
+    process's peak RSS (``VmHWM``, via ``/proc/self/clear_refs``) and run
+    ``RSS_MEASURED_STEPS`` steady-state steps. Returns ``rss_before_bytes`` (resident after the
+    warm-up: the process, the model, the optimizer state, the batch, memplan's arena and plans)
+    and ``peak_rss_bytes`` (the most resident during the steps)."""
+    context = multiprocessing.get_context("spawn")
+    args = (model_name, batch_size, side, optimizer_name, time_limit_seconds, seed, recompute_copies)
+    with context.Pool(1) as pool:
+        return pool.apply(_rss_in_this_process, args)
+
+
+def _rss_in_this_process(
+    model_name: str,
+    batch_size: int,
+    side: str,
+    optimizer_name: str,
+    time_limit_seconds: float,
+    seed: int,
+    recompute_copies: bool,
+) -> dict[str, int]:
+    w = build_workload(model_name, batch_size, seed=seed)
+    w.model.train()
+    optimizer = make_optimizer(optimizer_name, w.model.parameters())
+    batch = (w.inputs, w.target)
+    if side == "eager":
+
+        def run() -> Any:
+            return _eager_step(w, w.model, optimizer)
+
+        warmup = 2
+    else:
+        step = CompiledStep.of_loss(
+            w.model,
+            optimizer,
+            w.loss_fn,
+            time_limit_seconds=time_limit_seconds,
+            allocator=side,
+            recompute_copies=recompute_copies,
+        )
+        runner = step.runner_for(batch)
+
+        def run() -> Any:
+            return step(batch)
+
+        warmup = 2
+        while not getattr(runner, "replaying", True) and warmup < MAX_RECORDINGS + 2:
+            torch.manual_seed(seed + warmup)
+            run()
+            warmup += 1
+    for k in range(warmup):
+        torch.manual_seed(seed + k)
+        run()
+    gc.collect()
+    before = rss_bytes()
+    reset_peak_rss()
+    for k in range(RSS_MEASURED_STEPS):
+        torch.manual_seed(seed + 100 + k)
+        run()
+    return {"rss_before_bytes": before, "peak_rss_bytes": peak_rss_bytes()}
 
 
 def _runner_report(runner: StepRunner | ReplayedStep, plan: MemoryPlan) -> dict[str, Any]:

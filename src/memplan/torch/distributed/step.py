@@ -39,6 +39,7 @@ from memplan.errors import MemplanError
 from memplan.torch.capture import Capture, capture_train_step
 from memplan.torch.distributed.plan import DataParallelPlan, bucket_caps, capture_fingerprint, plan_data_parallel
 from memplan.torch.distributed.runner import DataParallelRunner
+from memplan.torch.rss import release_free_memory
 from memplan.torch.run.interpreter import allocator_tensors, optimizer_update_groups
 from memplan.torch.run.updates import check_optimizers
 
@@ -156,24 +157,6 @@ class DataParallelStep:
         if plan.fingerprint != fingerprints[0]:
             raise MemplanError("the plan rank 0 sent is for another capture; please report it")
         return plan
-
-
-def release_free_memory() -> None:
-    """Hand the heap pages that capture and the solvers freed back to the operating system
-    (glibc's ``malloc_trim``; elsewhere nothing): otherwise the allocator keeps them, and the
-    process's resident set stays as high as planning made it, above what the step needs."""
-    import ctypes
-    import ctypes.util
-    import gc
-
-    gc.collect()
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        libc = None
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
 
 
 def compile_data_parallel_step(

@@ -91,6 +91,11 @@ def cache_dir() -> Path:
 def load() -> ctypes.CDLL:
     """Build (once, cached by source and torch version) and load the allocator library, and
     install it as PyTorch's CPU allocator. Raises :class:`AllocatorUnavailable`."""
+    # OR-Tools' native module crashes when it is first imported after the allocator is
+    # installed (a segfault while loading it): load the placement solvers, which replay needs
+    # anyway, first
+    import memplan.placement  # noqa: F401
+
     library = _build()
     lib = ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
     _declare(lib)

@@ -129,6 +129,7 @@ class StepRunner:
         reuse_dying_inputs: bool = True,
         scaler: Any = None,
         executor: str = "generated",
+        arena: torch.Tensor | None = None,
     ) -> None:
         if executor not in EXECUTORS:
             raise MemplanError(f"executor must be one of {', '.join(EXECUTORS)}, not {executor!r}")
@@ -144,8 +145,11 @@ class StepRunner:
         self.graph = capture.graph
         self.nodes = {n.name: n for n in capture.gm.graph.nodes}
         self._check_plan()
-        # zeros, not empty: the pages are mapped now, not on first touch in the first step
-        self.arena = torch.zeros(plan.arena_bytes, dtype=torch.uint8, device=device)
+        # zeros, not empty: the pages are mapped now, not on first touch in the first step;
+        # ``arena``: a block shared with the plans of other shapes (memplan.torch.run.arena)
+        if arena is not None and arena.numel() < plan.arena_bytes:
+            raise MemplanError(f"the arena holds {arena.numel()} bytes, the plan needs {plan.arena_bytes}")
+        self._arena = arena if arena is not None else torch.zeros(plan.arena_bytes, dtype=torch.uint8, device=device)
         self.instructions = self._compile()
         self.last_use = self._last_uses()
         self._frees = self._free_schedule()
@@ -316,6 +320,17 @@ class StepRunner:
             if keys.count(key) == sum(1 for a in node.args if a is arg):  # read through no other view
                 return index
         return None
+
+    @property
+    def arena(self) -> torch.Tensor:
+        return self._arena
+
+    @arena.setter
+    def arena(self, block: torch.Tensor) -> None:
+        """A new arena block (the shared arena grew or shrank): the generated step, which has
+        its views into the old block bound in, is written again on the next step."""
+        self._arena = block
+        self._generated = None
 
     # ------------------------------------------------------------------ run
     def __call__(self, batch: Any) -> Any:

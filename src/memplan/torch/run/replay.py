@@ -12,6 +12,7 @@ output is copied and oneDNN's scratch lands in the arena too.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,8 +20,10 @@ from typing import Any
 import torch
 from memplan.errors import MemplanError
 from memplan.placement import PlacementProblem, place, validate_placement
+from memplan.torch.rss import release_free_memory
 from memplan.torch.run import allocator
 from memplan.torch.run.allocator import AllocationTrace, ReplayPlan, ReplayStats
+from memplan.torch.run.arena import SharedArena
 
 MAX_RECORDINGS = 4
 
@@ -53,16 +56,22 @@ def placement_problem(trace: AllocationTrace) -> tuple[PlacementProblem, list[in
 class ReplayedStep:
     """Wraps ``run(batch)``: records, plans, then replays every allocation at its offset.
 
-    ``arena`` is the preallocated arena (empty until planned); ``last_stats`` says what the
-    latest replayed step did; a step whose allocations differ from the recording is still
-    correct (the rest goes to the allocator) and is recorded again next time.
+    ``shared`` is the arena, possibly shared with the plans of a step's other shapes
+    (:class:`memplan.torch.run.arena.SharedArena`; Sekiyama 4.3): it is released while this
+    step records (the recording runs on the ordinary allocator, and the process should not hold
+    both) and reserved at the plan's size when it replays. ``last_stats`` says what the latest
+    replayed step did; a step whose allocations differ from the recording is still correct (the
+    rest goes to the allocator) and is recorded again next time.
     """
 
-    def __init__(self, run: Callable[[Any], Any], *, time_limit_seconds: float = 5.0) -> None:
+    def __init__(
+        self, run: Callable[[Any], Any], *, time_limit_seconds: float = 5.0, arena: SharedArena | None = None
+    ) -> None:
         allocator.load()
         self.run = run
         self.time_limit_seconds = time_limit_seconds
-        self.arena = torch.empty(0, dtype=torch.uint8)
+        self.shared = arena if arena is not None else SharedArena()
+        self.planning_seconds = 0.0  # spent placing recorded steps (capture and graph plan not included)
         self.plan: ReplayPlan | None = None
         self.placement: ArenaPlacement | None = None
         self.last_stats: ReplayStats | None = None
@@ -74,7 +83,7 @@ class ReplayedStep:
             return self._record(batch)
         if self.last_stats is None and hasattr(self.run, "request_self_check"):
             self.run.request_self_check()  # the first replayed step is checked too
-        allocator.begin_replay(self.plan, self.arena)
+        allocator.begin_replay(self.plan, self.shared.reserve(self.plan.arena_bytes))
         try:
             result = self.run(batch)
         finally:
@@ -93,12 +102,21 @@ class ReplayedStep:
     def replaying(self) -> bool:
         return self.plan is not None
 
+    @property
+    def arena(self) -> torch.Tensor:
+        """The arena block this step replays into (empty until planned, or while released)."""
+        return self.shared.tensor
+
     def _record(self, batch: Any) -> Any:
+        self.shared.release()
         allocator.begin_record()
         try:
             result = self.run(batch)
         finally:
             trace = allocator.end_record()
+        # the step ran on the ordinary allocator: the C library keeps its freed blocks in a heap
+        # that the plans' objects fragment, and the process would grow with every new shape
+        release_free_memory()
         self.recordings += 1
         if getattr(self.run, "last_step_observed", False):
             return result  # the self-check's dispatch mode changed this step's allocations: record again
@@ -109,13 +127,17 @@ class ReplayedStep:
         return result
 
     def _plan(self, trace: AllocationTrace) -> None:
+        start = time.perf_counter()
         problem, indices = placement_problem(trace)
         solved = place(problem, time_limit_seconds=self.time_limit_seconds)
         validate_placement(problem, solved)
         offsets = {k: solved.offsets_bytes[i] for i, k in enumerate(indices)}
-        # zeros, not empty: the OS maps the pages now, in this untimed planning step, rather
-        # than on first touch in the first replayed step
-        self.arena = torch.zeros(solved.arena_bytes, dtype=torch.uint8)
+        # the recording steps' freed blocks go back to the OS before the arena is mapped (in
+        # this untimed step, not on first touch in the first replayed step)
+        self._previous = None
+        release_free_memory()
+        self.shared.reserve(solved.arena_bytes)
+        self.planning_seconds += time.perf_counter() - start
         self.plan = allocator.replay_plan(trace, offsets, solved.arena_bytes)
         self.placement = ArenaPlacement(
             solved.arena_bytes,

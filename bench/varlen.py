@@ -1,0 +1,225 @@
+"""Variable-length batches: GPT-2 (2 layers, HF config), AdamW, batch 2, sequence lengths drawn
+at random from LENGTHS, eager PyTorch vs one ``memplan.compile_step`` (Sekiyama et al. 4.3: one
+arena for every length, plans kept up to ``max_plans``, least recently used evicted).
+
+Each side trains in a fresh process of its own from the same initial weights and the same
+batches and seeds; after every step it reads the process's peak resident set during that step
+(``VmHWM``, reset through ``/proc/self/clear_refs`` before the step). Numerics: every step's
+loss and the final parameters are compared between the two processes (bitwise).
+
+    python bench/varlen.py                   # writes bench/results/varlen.md
+    python bench/varlen.py --steps 20 --max-plans 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+LENGTHS = (40, 51, 62, 73, 84, 95, 106, 117, 128)  # nine lengths between 40 and 128 tokens
+MODEL = "gpt2-2l"
+BATCH = 2
+
+
+def length_order(steps: int, seed: int) -> list[int]:
+    """Every length once in random order, then random lengths: the shapes a loader without
+    fixed padding gives."""
+    rng = random.Random(seed)
+    order = rng.sample(LENGTHS, len(LENGTHS))
+    return (order + [rng.choice(LENGTHS) for _ in range(max(0, steps - len(order)))])[:steps]
+
+
+def train(side: str, lengths: list[int], seed: int, max_plans: int, state_path: str) -> dict[str, Any]:
+    """Train one side in this process; per step: length, peak RSS during the step, RSS after,
+    seconds, loss (as bytes, for a bitwise comparison) and memplan's plan counters."""
+    import memplan  # noqa: F401  (solvers before the allocator)
+    import torch
+    from memplan.api import compile_step
+    from memplan.torch.rss import peak_rss_bytes, reset_peak_rss, rss_bytes
+    from memplan.torch.zoo import build_workload, make_optimizer
+
+    w = build_workload(MODEL, BATCH, seed=seed)
+    model = w.model.train()
+    vocab = model.model.config.vocab_size
+    optimizer = make_optimizer("adamw", model.parameters())
+
+    def batch_of(step: int, length: int) -> tuple[Any, Any]:
+        g = torch.Generator().manual_seed(seed * 100_003 + step)
+        return torch.randint(0, vocab, (BATCH, length), generator=g), torch.randint(
+            0, vocab, (BATCH, length), generator=g
+        )
+
+    compiled = None
+    if side != "eager":
+        compiled = compile_step(
+            model, optimizer, w.loss_fn, batch_of(0, lengths[0]), allocator=side, max_plans=max_plans
+        )
+
+    def eager_step(batch: tuple[Any, Any]) -> Any:
+        loss = w.loss_fn(model(batch[0]), batch[1])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    rows = []
+    for step, length in enumerate(lengths):
+        batch = batch_of(step, length)
+        reset_peak_rss()
+        torch.manual_seed(seed + step)  # dropout
+        start = time.perf_counter()
+        # replayed: served at planned offsets in the arena (else the ordinary allocator: first visit, recording)
+        replayed = compiled is not None and getattr(compiled.runner_for(batch), "replaying", True)
+        loss = eager_step(batch) if compiled is None else compiled(batch)
+        seconds = time.perf_counter() - start
+        row = {
+            "step": step,
+            "length": length,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "rss_after_bytes": rss_bytes(),
+            "seconds": seconds,
+            "loss": float(loss),
+            "replayed": replayed,
+            "loss_hex": loss.float().numpy().tobytes().hex(),
+        }
+        if compiled is not None:
+            row |= {
+                "plans_made": compiled.plans_made,
+                "plans_kept": len(compiled.runners),
+                "evictions": compiled.evictions,
+                "planning_seconds": compiled.planning_seconds,
+                "arena_bytes": compiled.arena.nbytes,
+                "arena_allocations": compiled.arena.allocations,
+            }
+        rows.append(row)
+        print(side, json.dumps({k: v for k, v in row.items() if k != "loss_hex"}), file=sys.stderr, flush=True)
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, state_path)
+    return {"side": side, "rows": rows}
+
+
+def run_side(side: str, lengths: list[int], seed: int, max_plans: int, state_path: str) -> dict[str, Any]:
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(1) as pool:
+        return pool.apply(train, (side, lengths, seed, max_plans, state_path))
+
+
+def max_param_diff(a_path: str, b_path: str) -> float:
+    import torch
+
+    a, b = torch.load(a_path), torch.load(b_path)
+    return max(float((a[k].double() - b[k].double()).abs().max()) if a[k].numel() else 0.0 for k in a)
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+def report(args: argparse.Namespace, lengths: list[int], eager: dict, planned: dict, param_diff: float) -> str:
+    e_rows, m_rows = eager["rows"], planned["rows"]
+    longest = max(lengths)
+    eager_longest = max(r["peak_rss_bytes"] for r in e_rows if r["length"] == longest)
+    eager_peak = max(r["peak_rss_bytes"] for r in e_rows)
+    memplan_peak = max(r["peak_rss_bytes"] for r in m_rows)
+    last = m_rows[-1]
+    loss_diffs = [abs(e["loss"] - m["loss"]) for e, m in zip(e_rows, m_rows, strict=True)]
+    bitwise = sum(e["loss_hex"] == m["loss_hex"] for e, m in zip(e_rows, m_rows, strict=True))
+    eager_seconds = sum(r["seconds"] for r in e_rows)
+    memplan_seconds = sum(r["seconds"] for r in m_rows)
+    command = " ".join(["python bench/varlen.py", *sys.argv[1:]])
+    lines = [
+        "# Variable-length batches: GPT-2 (2 layers), AdamW, batch 2 (CPU)",
+        "",
+        f"Regenerate: `{command}`",
+        "",
+        f"{len(lengths)} steps over {len(set(lengths))} lengths ({', '.join(map(str, sorted(set(lengths))))} tokens) "
+        f"in random order (seed {args.seed}); memplan: one `compile_step`, allocator `{planned['allocator']}`, "
+        f"`max_plans={args.max_plans}`. Each side in a fresh process of its own.",
+        "",
+        "| | eager | memplan |",
+        "|---|---|---|",
+        f"| peak RSS of any step | {mib(eager_peak)} | {mib(memplan_peak)} |",
+        f"| peak RSS of a step at the longest length ({longest}) | {mib(eager_longest)} | "
+        f"{mib(max(r['peak_rss_bytes'] for r in m_rows if r['length'] == longest))} |",
+        f"| peak RSS of a step replayed in the arena / of one on the ordinary allocator | - | "
+        f"{mib(max((r['peak_rss_bytes'] for r in m_rows if r['replayed']), default=0))} / "
+        f"{mib(max((r['peak_rss_bytes'] for r in m_rows if not r['replayed']), default=0))} |",
+        f"| RSS after the last step | {mib(e_rows[-1]['rss_after_bytes'])} | {mib(last['rss_after_bytes'])} |",
+        f"| seconds, all steps (planning and recording included) | {eager_seconds:.1f} | {memplan_seconds:.1f} |",
+        f"| plans made / kept at the end / evicted | - | {last['plans_made']} / {last['plans_kept']} / "
+        f"{last['evictions']} |",
+        f"| seconds spent planning (capture, order, placement) | - | {last['planning_seconds']:.1f} |",
+        f"| largest shared arena held / times (re)allocated | - | {mib(max(r['arena_bytes'] for r in m_rows))} / "
+        f"{last['arena_allocations']} |",
+        f"| steps replayed in the arena / run on the ordinary allocator (first visit, recording) | - | "
+        f"{sum(r['replayed'] for r in m_rows)} / {sum(not r['replayed'] for r in m_rows)} |",
+        f"| steps whose loss is bitwise eager's | {len(lengths)} | {bitwise} |",
+        f"| max abs diff of the loss over all steps | - | {max(loss_diffs)} |",
+        f"| max abs diff of the parameters after the last step | - | {param_diff} |",
+        "",
+        f"memplan's peak RSS is {'at or below' if memplan_peak <= eager_longest else 'ABOVE'} eager's peak at the "
+        f"longest length ({memplan_peak / eager_longest:.3f}x).",
+        "",
+        "Step by step (peak RSS during the step, `VmHWM` reset before it):",
+        "",
+        "| step | length | eager peak RSS | memplan peak RSS | memplan replayed | loss diff | memplan plans made "
+        "| memplan s | eager s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for e, m, d in zip(e_rows, m_rows, loss_diffs, strict=True):
+        lines.append(
+            f"| {e['step']} | {e['length']} | {mib(e['peak_rss_bytes'])} | {mib(m['peak_rss_bytes'])} "
+            f"| {'yes' if m['replayed'] else 'no'} | {d} "
+            f"| {m['plans_made']} | {m['seconds']:.2f} | {e['seconds']:.2f} |"
+        )
+    lines += [
+        "",
+        "RSS is the whole process: interpreter, torch's libraries, model, AdamW state, and for memplan its kept "
+        "captures and plans (Python objects no plan counts) and the one shared arena. A step of a new length first "
+        "runs on the ordinary allocator (its first visit runs under the self-check, the next two are recorded until "
+        "two agree; the arena is released meanwhile, and the heap trimmed after each), so the first three visits of "
+        "a length cost what eager's step costs plus planning, and its later visits replay in the arena. Timings on a "
+        "shared 2-core machine are noisy: rerun on a quiet machine.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-plans", type=int, default=8)
+    parser.add_argument("--allocator", default="auto", choices=["auto", "replay", "views"])
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "varlen.md"))
+    parser.add_argument("--from-json", default=None, help="rebuild the table from a previous run's JSON")
+    args = parser.parse_args()
+    out = Path(args.out)
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        lengths = [r["length"] for r in saved["eager"]["rows"]]
+        sys.argv = [sys.argv[0], *(["--steps", str(len(lengths))] if len(lengths) != 50 else [])]
+        out.write_text(report(args, lengths, saved["eager"], saved["memplan"], saved["param_diff"]))
+        return
+    lengths = length_order(args.steps, args.seed)
+    from memplan.api import resolve_allocator
+
+    allocator = resolve_allocator(args.allocator)
+    with tempfile.TemporaryDirectory() as tmp:
+        eager = run_side("eager", lengths, args.seed, args.max_plans, f"{tmp}/eager.pt")
+        planned = run_side(allocator, lengths, args.seed, args.max_plans, f"{tmp}/memplan.pt")
+        planned["allocator"] = allocator
+        param_diff = max_param_diff(f"{tmp}/eager.pt", f"{tmp}/memplan.pt")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(report(args, lengths, eager, planned, param_diff))
+    out.with_suffix(".json").write_text(json.dumps({"eager": eager, "memplan": planned, "param_diff": param_diff}))
+    print(f"wrote {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
