@@ -14,6 +14,8 @@ import hashlib
 import os
 import shutil
 import subprocess
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from memplan.errors import MemplanError
@@ -55,3 +57,21 @@ def build(source: Path) -> Path:
             raise CompilerUnavailable(f"building {source.name} failed: {last}")
         partial.replace(target)
     return target
+
+
+def on_deep_stack(call: Callable[[], int], stack_bytes: int, name: str) -> int:
+    """``call()`` (a C search that recurses once per level and releases the GIL) in a thread
+    with ``stack_bytes`` of stack more than the default 16 MiB; raises
+    :class:`CompilerUnavailable` if the thread died without a result."""
+    result: list[int] = []
+    old = threading.stack_size()
+    threading.stack_size(16 * 2**20 + stack_bytes)
+    try:
+        worker = threading.Thread(target=lambda: result.append(call()), name=name)
+        worker.start()
+    finally:
+        threading.stack_size(old)
+    worker.join()
+    if not result:
+        raise CompilerUnavailable(f"the {name} thread failed")
+    return result[0]

@@ -9,7 +9,6 @@ counts. It is compiled on first use by :func:`memplan.compiled.build`; without a
 from __future__ import annotations
 
 import ctypes
-import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import cache, partial
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from memplan.compiled import CompilerUnavailable, build
+from memplan.compiled import CompilerUnavailable, build, on_deep_stack
 from memplan.placement.search import Cancel, Runner, SearchOptions, Sweep
 
 SOURCE = Path(__file__).parent / "csrc" / "canonical_search.c"
@@ -77,18 +76,7 @@ def _on_deep_stack(call: Callable[[], int], n: int) -> int:
     main thread's might not be (the C call releases the GIL, so this costs one thread start)."""
     if n <= MAIN_STACK_BUFFERS:
         return call()
-    result: list[int] = []
-    old = threading.stack_size()
-    threading.stack_size(16 * 2**20 + STACK_BYTES_PER_BUFFER * n)
-    try:
-        worker = threading.Thread(target=lambda: result.append(call()), name="memplan-placement-search")
-        worker.start()
-    finally:
-        threading.stack_size(old)
-    worker.join()
-    if not result:
-        raise NativeUnavailable("the placement search thread failed")
-    return result[0]
+    return on_deep_stack(call, STACK_BYTES_PER_BUFFER * n, "memplan-placement-search")
 
 
 def runner(

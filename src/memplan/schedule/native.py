@@ -8,7 +8,6 @@ without a C compiler :func:`available` is False and the search runs in Python.
 from __future__ import annotations
 
 import ctypes
-import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import cache, partial
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from memplan.compiled import CompilerUnavailable, build
+from memplan.compiled import CompilerUnavailable, build, on_deep_stack
 
 SOURCE = Path(__file__).parent / "csrc" / "ideal_search.c"
 _P64 = ctypes.POINTER(ctypes.c_int64)
@@ -120,15 +119,4 @@ def _on_deep_stack(call: Callable[[], int], n: int) -> int:
     thread's might not be (the C call releases the GIL)."""
     if n <= MAIN_STACK_OPS:
         return call()
-    result: list[int] = []
-    old = threading.stack_size()
-    threading.stack_size(16 * 2**20 + STACK_BYTES_PER_OP * n)
-    try:
-        worker = threading.Thread(target=lambda: result.append(call()), name="memplan-reorder-search")
-        worker.start()
-    finally:
-        threading.stack_size(old)
-    worker.join()
-    if not result:
-        raise CompilerUnavailable("the reordering search thread failed")
-    return result[0]
+    return on_deep_stack(call, STACK_BYTES_PER_OP * n, "memplan-reorder-search")
