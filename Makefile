@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-all lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ demo: $(STAMP)
 	$(BIN)/memplan demo
 
 test: $(STAMP)
+	$(BIN)/ruff check src tests bench examples
+	$(BIN)/python -m pytest -m "not slow"
+
+test-all: $(STAMP)
 	$(BIN)/ruff check src tests bench examples
 	$(BIN)/python -m pytest
 

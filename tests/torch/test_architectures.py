@@ -27,7 +27,11 @@ def test_the_list_covers_every_family_with_at_least_15_architectures():
     assert {a.family for a in runnable} == set(FAMILIES)
 
 
-@pytest.mark.parametrize("name", list(ARCHITECTURES))
+# one or two of each family in `make test`; every entry with `make test-all` (and the bench)
+QUICK = {"bert", "gpt2", "llama", "llama-ones-mask", "t5", "whisper", "convnext", "mixtral", "deberta-v2-cls"}
+
+
+@pytest.mark.parametrize("name", [n if n in QUICK else pytest.param(n, marks=pytest.mark.slow) for n in ARCHITECTURES])
 def test_architecture_trains_like_eager_or_is_refused_in_one_line(name):
     arch = ARCHITECTURES[name]
     result = run_architecture(name, TINY, steps=3, time_limit_seconds=0.5)

@@ -14,9 +14,11 @@ from memplan.torch.run.allocator import available as allocator_available
 from memplan.torch.zoo import build_workload, make_optimizer
 
 CASES = [("mlp", 8, "adam"), ("vgg16", 4, "sgd"), ("gpt2-2l", 1, "adamw"), ("resnet50", 2, "sgd")]
+# views is the fallback mode: its two big models run with `make test-all`
+VIEWS_CASES = [c if c[0] in ("mlp", "vgg16") else pytest.param(*c, marks=pytest.mark.slow) for c in CASES]
 
 
-@pytest.mark.parametrize(("model", "batch", "optimizer"), CASES)
+@pytest.mark.parametrize(("model", "batch", "optimizer"), VIEWS_CASES)
 def test_arena_views_train_exactly_like_eager(model, batch, optimizer):
     report = compare_with_eager(
         model, batch, steps=3, optimizer_name=optimizer, time_limit_seconds=2, allocator="views"
@@ -33,7 +35,11 @@ def test_arena_views_train_exactly_like_eager(model, batch, optimizer):
 
 
 @pytest.mark.skipif(not allocator_available(), reason="no C++ compiler here: the planned allocator cannot be built")
-@pytest.mark.parametrize(("model", "batch", "optimizer"), CASES)
+@pytest.mark.parametrize(
+    ("model", "batch", "optimizer"),
+    # GPT-2 (2 layers) with the planned allocator also runs in test_loops and test_architectures
+    [c if c[0] != "gpt2-2l" else pytest.param(*c, marks=pytest.mark.slow) for c in CASES],
+)
 def test_planned_allocator_trains_exactly_like_eager(model, batch, optimizer):
     report = compare_with_eager(
         model, batch, steps=3, optimizer_name=optimizer, time_limit_seconds=2, allocator="replay"

@@ -80,7 +80,20 @@ def test_every_shape_shares_one_arena_bit_identical_to_eager(allocator):
     assert step.planning_seconds > 0
 
 
-@pytest.mark.parametrize("allocator", ALLOCATORS)
+# the replay variant (17 s: each new shape records) runs with `make test-all`
+@pytest.mark.parametrize(
+    "allocator",
+    [
+        "views",
+        pytest.param(
+            "replay",
+            marks=[
+                pytest.mark.slow,
+                pytest.mark.skipif(not allocator_available(), reason="no C++ compiler"),
+            ],
+        ),
+    ],
+)
 def test_least_recently_used_plans_are_evicted_within_the_bound(allocator):
     w = _small_workload()
     reference = copy.deepcopy(w.model)
