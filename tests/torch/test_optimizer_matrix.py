@@ -22,9 +22,21 @@ from memplan.torch.run.selfcheck import SelfCheck
 
 CASES = optimizer_cases()
 REFUSED = {"LBFGS", "SparseAdam"}
+# `make test` runs every optimizer in its for-loop, foreach and fused forms, warm state and the
+# refused ones; the other variants (option combinations) run with `make test-all` and in
+# bench/optimizers.py, which checks all of them after every step.
+QUICK_VARIANTS = ("plain", "foreach", "fused")
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.label for c in CASES])
+def _quick(case: OptimizerCase) -> bool:
+    return case.variant in QUICK_VARIANTS or case.warm or case.optimizer in REFUSED
+
+
+def _params(cases: list[OptimizerCase], quick=_quick) -> list:
+    return [c if quick(c) else pytest.param(c, marks=pytest.mark.slow, id=c.label) for c in cases]
+
+
+@pytest.mark.parametrize("case", _params(CASES), ids=[c.label for c in CASES])
 def test_every_optimizer_variant_trains_like_eager_or_is_refused_at_compile_time(case):
     result = run_case(case, steps=3, time_limit_seconds=0.5)
     if case.optimizer in REFUSED:
@@ -35,9 +47,15 @@ def test_every_optimizer_variant_trains_like_eager_or_is_refused_at_compile_time
 
 
 VIEWS_CASES = [c for c in CASES if c.optimizer not in REFUSED and c.variant in ("foreach", "fused", "plain")]
+QUICK_VIEWS = ("SGD[plain]", "Adam[plain]", "AdamW[plain]", "Adam[foreach]", "AdamW[fused]")
 
 
-@pytest.mark.parametrize("case", VIEWS_CASES, ids=[c.label for c in VIEWS_CASES])
+@pytest.mark.parametrize(
+    "case",
+    # views is the fallback mode: one optimizer per form in `make test`, all with `make test-all`
+    _params(VIEWS_CASES, quick=lambda c: c.label in QUICK_VIEWS),
+    ids=[c.label for c in VIEWS_CASES],
+)
 def test_arena_views_runtime_also_trains_like_eager(case):
     assert run_case(case, steps=3, allocator="views", time_limit_seconds=0.5).outcome == "equal"
 

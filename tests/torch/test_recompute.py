@@ -111,7 +111,8 @@ def test_steps_with_recomputed_copies_equal_eager_exactly(model_type):
 @pytest.mark.parametrize(
     "allocator",
     [
-        "views",
+        # views: the fallback mode, whose out= path the recomputed copies share; `make test-all`
+        pytest.param("views", marks=pytest.mark.slow),
         pytest.param(
             "replay",
             marks=pytest.mark.skipif(not allocator_available(), reason="no C++ compiler: no planned allocator"),
