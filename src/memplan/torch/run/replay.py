@@ -20,9 +20,8 @@ from typing import Any
 import torch
 from memplan.errors import MemplanError
 from memplan.placement import PlacementProblem, place, validate_placement
-from memplan.torch.rss import release_free_memory
 from memplan.torch.run import allocator
-from memplan.torch.run.allocator import AllocationTrace, ReplayPlan, ReplayStats
+from memplan.torch.run.allocator import AllocationTrace, NativeReplay, ReplayPlan, ReplayStats
 from memplan.torch.run.arena import SharedArena
 
 MAX_RECORDINGS = 4
@@ -48,7 +47,7 @@ def placement_problem(trace: AllocationTrace) -> tuple[PlacementProblem, list[in
     problem = PlacementProblem.from_intervals(
         [trace.sizes[k] for k in indices],
         [(trace.alloc_at[k], trace.free_at[k]) for k in indices],
-        alignment_bytes=allocator.ALIGNMENT_BYTES,
+        alignment_bytes=trace.alignment_bytes,
     )
     return problem, indices
 
@@ -61,13 +60,20 @@ class ReplayedStep:
     step records (the recording runs on the ordinary allocator, and the process should not hold
     both) and reserved at the plan's size when it replays. ``last_stats`` says what the latest
     replayed step did; a step whose allocations differ from the recording is still correct (the
-    rest goes to the allocator) and is recorded again next time.
+    rest goes to the allocator) and is recorded again next time. ``native`` is the planned
+    allocator that records and replays: the CPU one by default, the CUDA one
+    (:func:`memplan.torch.run.cuda_allocator.native`) for a step on a GPU.
     """
 
     def __init__(
-        self, run: Callable[[Any], Any], *, time_limit_seconds: float = 5.0, arena: SharedArena | None = None
+        self,
+        run: Callable[[Any], Any],
+        *,
+        time_limit_seconds: float = 5.0,
+        arena: SharedArena | None = None,
+        native: NativeReplay | None = None,
     ) -> None:
-        allocator.load()
+        self.native = native if native is not None else allocator.cpu()
         self.run = run
         self.time_limit_seconds = time_limit_seconds
         self.shared = arena if arena is not None else SharedArena()
@@ -76,6 +82,7 @@ class ReplayedStep:
         self.placement: ArenaPlacement | None = None
         self.last_stats: ReplayStats | None = None
         self.recordings = 0
+        self.replays = 0  # steps served from the plan
         self._previous: AllocationTrace | None = None
 
     def __call__(self, batch: Any) -> Any:
@@ -83,12 +90,14 @@ class ReplayedStep:
             return self._record(batch)
         if self.last_stats is None and hasattr(self.run, "request_self_check"):
             self.run.request_self_check()  # the first replayed step is checked too
-        allocator.begin_replay(self.plan, self.shared.reserve(self.plan.arena_bytes))
+        arena = self.shared.reserve(self.plan.arena_bytes)
+        self.native.begin_replay(self.plan, arena.data_ptr(), arena.numel())
         try:
             result = self.run(batch)
         finally:
-            stats = allocator.end_replay()
+            stats = self.native.end_replay()
         self.last_stats = stats
+        self.replays += 1
         if stats.arena_alive_after:
             raise MemplanError(
                 f"{stats.arena_alive_after} arena allocation(s) outlived the step, which the recording did not show; "
@@ -109,14 +118,14 @@ class ReplayedStep:
 
     def _record(self, batch: Any) -> Any:
         self.shared.release()
-        allocator.begin_record()
+        self.native.begin_record()
         try:
             result = self.run(batch)
         finally:
-            trace = allocator.end_record()
+            trace = self.native.end_record()
         # the step ran on the ordinary allocator: the C library keeps its freed blocks in a heap
         # that the plans' objects fragment, and the process would grow with every new shape
-        release_free_memory()
+        self.native.release_free_memory()
         self.recordings += 1
         if getattr(self.run, "last_step_observed", False):
             return result  # the self-check's dispatch mode changed this step's allocations: record again
@@ -135,7 +144,7 @@ class ReplayedStep:
         # the recording steps' freed blocks go back to the OS before the arena is mapped (in
         # this untimed step, not on first touch in the first replayed step)
         self._previous = None
-        release_free_memory()
+        self.native.release_free_memory()
         self.shared.reserve(solved.arena_bytes)
         self.planning_seconds += time.perf_counter() - start
         self.plan = allocator.replay_plan(trace, offsets, solved.arena_bytes)
