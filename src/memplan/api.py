@@ -272,6 +272,9 @@ class CompiledStep:
         was_replaying, placing_seconds = runner.replaying, runner.planning_seconds
         result = runner(batch)
         self.planning_seconds += runner.planning_seconds - placing_seconds
+        if runner.refused is not None:
+            self._fall_back_to_views(runner.refused)
+            return result
         if runner.replaying and not was_replaying:
             self._fit_arena()  # placed: the arena at the size the kept plans need
         return result
@@ -310,6 +313,7 @@ class CompiledStep:
                     time_limit_seconds=self.time_limit_seconds,
                     arena=self.arena,
                     native=self._native,
+                    schedulers=self.schedulers,
                 )
             else:
                 self._unbind_views()  # the old block must have no other holder when it grows
@@ -332,6 +336,13 @@ class CompiledStep:
             self.planning_seconds += time.perf_counter() - start
             kept = self._kept[key]
         return kept[0]
+
+    def _fall_back_to_views(self, reason: str) -> None:
+        """Give the planned allocator up (the step that found why ran on the ordinary allocator
+        and was right): every plan is dropped, the next step plans with arena views."""
+        self.allocator, self.allocator_reason, self._native = "views", f"{reason}; arena views from now on", None
+        self._kept = LruCache(self.max_plans)
+        self.arena.release()
 
     def _needed_arena_bytes(self) -> int:
         """The largest arena a kept plan uses (0 for a replayed step still recording)."""
@@ -390,7 +401,11 @@ class CompiledStep:
             runner = RematRunner(capture, decided.schedule.steps, self.model, self.optimizers[0])
         if self.allocator == "replay":
             return ReplayedStep(
-                runner, time_limit_seconds=self.time_limit_seconds, arena=self.arena, native=self._native
+                runner,
+                time_limit_seconds=self.time_limit_seconds,
+                arena=self.arena,
+                native=self._native,
+                schedulers=self.schedulers,
             )
         self._own_arena.add(id(runner))
         return runner

@@ -9,6 +9,7 @@ is absent. With a GPU (``-m gpu``): bit for bit against eager, and memory below 
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import json
 import os
@@ -21,9 +22,16 @@ from pathlib import Path
 import pytest
 
 import torch
+from memplan.api import CompiledStep
 from memplan.placement import place, validate_placement
-from memplan.torch.run import cuda_allocator
-from memplan.torch.run.allocator import CUDA_ALIGNMENT_BYTES, AllocatorUnavailable, replay_plan
+from memplan.torch.run import allocator, cuda_allocator
+from memplan.torch.run.allocator import (
+    CUDA_ALIGNMENT_BYTES,
+    AllocatorUnavailable,
+    NativeReplay,
+    alignment_for,
+    replay_plan,
+)
 from memplan.torch.run.replay import placement_problem
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,6 +153,11 @@ def replaying(lib):
     arena = HostArena(plan.arena_bytes)
     native.begin_replay(plan, arena.address, arena.nbytes)
     return native, trace, plan, arena
+
+
+def test_each_device_has_its_allocators_alignment():
+    assert alignment_for("cuda") == alignment_for(torch.device("cuda", 1)) == CUDA_ALIGNMENT_BYTES == 512
+    assert alignment_for("cpu") == 64
 
 
 def test_builds_without_cuda_headers_or_symbols(lib):
@@ -277,8 +290,8 @@ def test_out_of_memory_empties_the_cache_and_retries_once(lib, host):
 def test_nothing_cuda_is_loaded_without_cuda(tmp_path):
     script = """
 import json, torch
-from memplan.api import compile_step
-from memplan.torch.run import cuda_allocator
+from memplan.api import CompiledStep
+from memplan.torch.run import allocator, cuda_allocator
 from memplan.torch.run.allocator import AllocatorUnavailable
 try:
     cuda_allocator.install()
@@ -295,6 +308,7 @@ print(json.dumps({
     "refused": refused,
     "choice": cuda_allocator.runtime_choice("auto"),
     "report": step.report.get("allocator_reason"),
+    "alignment": step.report.get("alignment_bytes"),
     "loaded": "cuda_planned_allocator" in maps,
     "initialized": torch.cuda.is_initialized(),
     "installed": cuda_allocator.installed(),
@@ -307,6 +321,7 @@ print(json.dumps({
     assert seen["refused"] == "CUDA is not available: the planned CUDA allocator is not loaded"
     assert seen["choice"][0] == "views" and "CUDA is not available" in seen["choice"][1]
     assert seen["report"] == "the planned CPU allocator records and replays the step"
+    assert seen["alignment"] == 64
     assert not seen["loaded"] and not seen["initialized"] and not seen["installed"]
 
 
@@ -345,3 +360,60 @@ def test_cuda_replay_is_bit_exact_and_below_eager_allocated(tmp_path):
     planned_params = torch.load(planned_side["params"])
     assert all(torch.equal(eager_params[k], planned_params[k]) for k in eager_params)
     assert planned_side["max_memory_reserved"] < eager["max_memory_allocated"]
+
+
+class VerifiedCpu(NativeReplay):
+    """The planned CPU allocator asking, as the CUDA one does, for its first replay of every plan
+    to be verified; ``corrupt`` makes every replayed step write a parameter behind the step's
+    back, as a replay that went wrong on real hardware would."""
+
+    verify_first_replay = True
+
+    def __init__(self, corrupt: torch.Tensor | None = None) -> None:
+        super().__init__(allocator.load(), allocator.CPU_ALIGNMENT_BYTES)
+        self.corrupt = corrupt
+
+    def end_replay(self):
+        stats = super().end_replay()
+        if self.corrupt is not None:
+            with torch.no_grad():
+                self.corrupt.view(-1)[0] += 1.0
+        return stats
+
+
+def _train_both(corrupt: bool, steps: int = 6):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    loss_fn = torch.nn.functional.cross_entropy
+    step = CompiledStep.of_loss(model, opt, loss_fn, time_limit_seconds=2, allocator="replay")
+    step._native = VerifiedCpu(next(model.parameters()) if corrupt else None)  # before the first plan
+    for _ in range(steps):
+        loss = step(batch)
+        twin_loss = loss_fn(twin(batch[0]), batch[1])
+        twin_loss.backward()
+        twin_opt.step()
+        twin_opt.zero_grad(set_to_none=True)
+        assert torch.equal(loss, twin_loss.detach())
+        for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+            assert torch.equal(a, b), "a step trained differently from eager"
+    return step
+
+
+@pytest.mark.skipif(not allocator.available(), reason="the planned CPU allocator needs a C++ compiler")
+def test_a_verified_replay_keeps_replaying():
+    step = _train_both(corrupt=False)
+    runner = next(iter(step.runners.values()))
+    assert isinstance(runner.native, VerifiedCpu)
+    assert step.allocator == "replay" and runner.refused is None and runner.replays >= 2
+
+
+@pytest.mark.skipif(not allocator.available(), reason="the planned CPU allocator needs a C++ compiler")
+def test_a_replay_that_differs_is_refused_and_the_step_falls_back_to_views():
+    step = _train_both(corrupt=True)
+    assert step.allocator == "views"
+    assert step.allocator_reason.startswith("the replayed step differed from the same step on PyTorch's allocator")
+    assert step.report["allocator"] == "views" and "differed" in step.report["allocator_reason"]

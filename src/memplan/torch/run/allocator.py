@@ -232,7 +232,12 @@ def _array(values: Sequence[int]) -> ctypes.Array:
 
 class NativeReplay:
     """Record and replay through one library's C interface (``replay_core.h``): the same calls
-    for the CPU and the CUDA allocator; ``alignment_bytes`` is the arena alignment of its device."""
+    for the CPU and the CUDA allocator; ``alignment_bytes`` is the arena alignment of its device.
+    ``verify_first_replay``: the first replayed step of each plan is run again on the ordinary
+    allocator and compared bit for bit (:mod:`memplan.torch.run.verify`); the CPU allocator is
+    covered by the tests, so it does not ask for it."""
+
+    verify_first_replay = False
 
     def __init__(self, lib: ctypes.CDLL, alignment_bytes: int) -> None:
         self.lib = lib

@@ -77,6 +77,8 @@ def declare_cuda_api(lib: ctypes.CDLL) -> None:
     declare_replay_api(lib)
     lib.mp_cuda_set_raw.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.mp_cuda_set_raw.restype = None
+    lib.mp_cuda_set_device.argtypes = [ctypes.c_int]
+    lib.mp_cuda_set_device.restype = None
     lib.mp_cuda_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     lib.mp_cuda_malloc.restype = ctypes.c_void_p
     lib.mp_cuda_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
@@ -88,7 +90,10 @@ def declare_cuda_api(lib: ctypes.CDLL) -> None:
 
 
 class CudaReplay(NativeReplay):
-    """:class:`NativeReplay` over the CUDA library, with its memory counters."""
+    """:class:`NativeReplay` over the CUDA library, with its memory counters. Its first replay of
+    every plan is verified against PyTorch's allocator: no GPU was lent where it was written."""
+
+    verify_first_replay = True
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         super().__init__(lib, CUDA_ALIGNMENT_BYTES)
@@ -119,12 +124,15 @@ def install(device: int | None = None) -> CudaReplay:
         return _installed
     if not torch.cuda.is_available():
         raise AllocatorUnavailable("CUDA is not available: the planned CUDA allocator is not loaded")
+    if torch.cuda.is_initialized():
+        raise AllocatorUnavailable(f"CUDA is already initialised, with PyTorch's allocator; {INSTALL_HINT}")
     path = build()
     lib = ctypes.CDLL(str(path))
     declare_cuda_api(lib)
     runtime = _cuda_runtime()
-    index = torch.cuda.current_device() if device is None else device
-    lib.mp_cuda_set_raw(_address(runtime.cudaMalloc), _address(runtime.cudaFree), index)
+    # nothing here may initialise CUDA (torch.cuda.current_device() would, and PyTorch then
+    # refuses to swap its allocator): the device is asked for once the swap is done
+    lib.mp_cuda_set_raw(_address(runtime.cudaMalloc), _address(runtime.cudaFree), -1)
     pluggable = torch.cuda.memory.CUDAPluggableAllocator(str(path), MALLOC_SYMBOL, FREE_SYMBOL)
     try:
         torch.cuda.memory.change_current_allocator(pluggable)
@@ -132,6 +140,7 @@ def install(device: int | None = None) -> CudaReplay:
         raise AllocatorUnavailable(
             f"PyTorch's CUDA allocator is already in use ({str(error).splitlines()[0]}); {INSTALL_HINT}"
         ) from None
+    lib.mp_cuda_set_device(torch.cuda.current_device() if device is None else device)
     _installed = CudaReplay(lib)
     return _installed
 

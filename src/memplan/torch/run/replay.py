@@ -13,7 +13,7 @@ output is copied and oneDNN's scratch lands in the arena too.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ from memplan.placement import PlacementProblem, place, validate_placement
 from memplan.torch.run import allocator
 from memplan.torch.run.allocator import AllocationTrace, NativeReplay, ReplayPlan, ReplayStats
 from memplan.torch.run.arena import SharedArena
+from memplan.torch.run.verify import StepObjects, verify_by_rerun
 
 MAX_RECORDINGS = 4
 
@@ -62,7 +63,11 @@ class ReplayedStep:
     replayed step did; a step whose allocations differ from the recording is still correct (the
     rest goes to the allocator) and is recorded again next time. ``native`` is the planned
     allocator that records and replays: the CPU one by default, the CUDA one
-    (:func:`memplan.torch.run.cuda_allocator.native`) for a step on a GPU.
+    (:func:`memplan.torch.run.cuda_allocator.native`) for a step on a GPU. Where the native
+    allocator asks for it (CUDA: ``verify_first_replay``), the first replayed step of every plan
+    is run again on the ordinary allocator and must give the same bits
+    (:mod:`memplan.torch.run.verify`); otherwise ``refused`` says why and every later step runs
+    on the ordinary allocator (the caller then plans with arena views).
     """
 
     def __init__(
@@ -72,8 +77,10 @@ class ReplayedStep:
         time_limit_seconds: float = 5.0,
         arena: SharedArena | None = None,
         native: NativeReplay | None = None,
+        schedulers: Sequence[Any] = (),
     ) -> None:
         self.native = native if native is not None else allocator.cpu()
+        self.schedulers = list(schedulers)  # state the verification of a first replay puts back
         self.run = run
         self.time_limit_seconds = time_limit_seconds
         self.shared = arena if arena is not None else SharedArena()
@@ -83,13 +90,32 @@ class ReplayedStep:
         self.last_stats: ReplayStats | None = None
         self.recordings = 0
         self.replays = 0  # steps served from the plan
+        self.refused: str | None = None  # why replay was given up (the step then runs on the allocator)
         self._previous: AllocationTrace | None = None
+        self._unverified = False  # a new plan whose first replay the native allocator wants verified
 
     def __call__(self, batch: Any) -> Any:
+        if self.refused is not None:
+            return self.run(batch)
         if self.plan is None:
             return self._record(batch)
         if self.last_stats is None and hasattr(self.run, "request_self_check"):
             self.run.request_self_check()  # the first replayed step is checked too
+        if not self._unverified:
+            return self._replay(batch)
+        self._unverified = False
+        result, reason = verify_by_rerun(
+            StepObjects.of(self.run, self.schedulers), lambda: self._replay(batch), lambda: self.run(batch)
+        )
+        if reason is not None:
+            self.refused = f"{reason}: replay given up"
+            self.plan = None
+            self.shared.release()
+        return result
+
+    def _replay(self, batch: Any) -> Any:
+        """One step with every planned allocation at its offset."""
+        assert self.plan is not None
         arena = self.shared.reserve(self.plan.arena_bytes)
         self.native.begin_replay(self.plan, arena.data_ptr(), arena.numel())
         try:
@@ -148,6 +174,7 @@ class ReplayedStep:
         self.shared.reserve(solved.arena_bytes)
         self.planning_seconds += time.perf_counter() - start
         self.plan = allocator.replay_plan(trace, offsets, solved.arena_bytes)
+        self._unverified = self.native.verify_first_replay
         self.placement = ArenaPlacement(
             solved.arena_bytes,
             problem.lower_bound_bytes,

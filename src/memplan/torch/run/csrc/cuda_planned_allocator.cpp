@@ -121,7 +121,8 @@ MEMPLAN_REPLAY_C_API(g_core)
 
 extern "C" {
 
-// The raw device functions (cudaMalloc, cudaFree) and the device to plan for.
+// The raw device functions (cudaMalloc, cudaFree) and the device to plan for (-1: none yet;
+// every request then goes to the cache).
 void mp_cuda_set_raw(void* raw_malloc, void* raw_free, int device) {
   std::lock_guard<std::mutex> lock(g_cache.mu);
   g_cache.raw_malloc = reinterpret_cast<RawMalloc>(raw_malloc);
@@ -129,6 +130,12 @@ void mp_cuda_set_raw(void* raw_malloc, void* raw_free, int device) {
   g_core.base_alloc = &base_alloc;
   g_core.base_free = &base_free;
   g_core.base_ctx = nullptr;
+  g_device = device;
+}
+
+// The device whose requests may be recorded and replayed (set once CUDA is initialised).
+void mp_cuda_set_device(int device) {
+  std::lock_guard<std::mutex> lock(g_cache.mu);
   g_device = device;
 }
 
