@@ -16,6 +16,7 @@
 // max_memory_reserved / max_memory_allocated, which a pluggable allocator does not keep.
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -105,7 +106,7 @@ struct BlockCache {
 
 BlockCache g_cache;
 memplan::ReplayCore g_core;
-int g_device = -1;  // the device whose requests may be recorded or replayed
+std::atomic<int> g_device{-1};  // the device whose requests may be recorded or replayed
 
 void* base_alloc(size_t n, void* stream, void* /*ctx*/) {
   return g_cache.alloc(n, g_device, stream);  // the core only sees the planned device's requests
@@ -135,7 +136,6 @@ void mp_cuda_set_raw(void* raw_malloc, void* raw_free, int device) {
 
 // The device whose requests may be recorded and replayed (set once CUDA is initialised).
 void mp_cuda_set_device(int device) {
-  std::lock_guard<std::mutex> lock(g_cache.mu);
   g_device = device;
 }
 
