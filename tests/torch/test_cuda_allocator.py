@@ -290,7 +290,7 @@ def test_out_of_memory_empties_the_cache_and_retries_once(lib, host):
 def test_nothing_cuda_is_loaded_without_cuda(tmp_path):
     script = """
 import json, torch
-from memplan.api import CompiledStep
+from memplan.api import compile_step
 from memplan.torch.run import allocator, cuda_allocator
 from memplan.torch.run.allocator import AllocatorUnavailable
 try:
