@@ -40,6 +40,7 @@ from memplan.pipeline import MemoryPlan, make_plan
 from memplan.torch.capture import Capture, capture_infer_step, capture_step
 from memplan.torch.capture.trace import standard_step
 from memplan.torch.rss import release_free_memory
+from memplan.torch.run.allocator import alignment_for
 from memplan.torch.run.arena import LruCache, SharedArena
 from memplan.torch.run.interpreter import Plan, StepRunner, allocator_tensors, optimizer_update_groups
 from memplan.torch.run.replay import ReplayedStep
@@ -89,6 +90,7 @@ def plan_step(
         reorder=reorder,
         atomic_groups=groups,
         allocator_tensors=allocator_tensors(capture) if allocator == "views" else frozenset(),
+        alignment_bytes=alignment_for(model_device(model)),
     )
     plan.report["recomputed_copies"] = list(capture.recomputed)
     plan.report["calls"] = [region.kind for region in capture.regions]
@@ -137,6 +139,35 @@ def resolve_allocator(name: str) -> str:
     return "replay" if allocator.available() else "views"
 
 
+def choose_allocator(name: str, device: torch.device) -> tuple[str, str]:
+    """The allocator mode of a step on ``device`` and one line saying why: the planned CPU
+    allocator on the CPU, the planned CUDA allocator on a GPU where it was installed
+    (:mod:`memplan.torch.run.cuda_allocator`), else arena views."""
+    if name not in ALLOCATORS:
+        raise MemplanError(f"unknown allocator {name!r}; choose one of {', '.join(ALLOCATORS)}")
+    if device.type == "cuda":
+        from memplan.torch.run import cuda_allocator
+
+        return cuda_allocator.runtime_choice(name)
+    if device.type != "cpu":
+        if name == "replay":
+            raise MemplanError(f"allocator='replay' serves CPU and CUDA memory only; use allocator='views' on {device}")
+        return "views", f"no planned allocator for {device.type}: arena views"
+    chosen = resolve_allocator(name)
+    if chosen == "replay":
+        return chosen, "the planned CPU allocator records and replays the step"
+    return chosen, "allocator='views' requested" if name == "views" else "the planned CPU allocator did not build here"
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where the model's first parameter or buffer lives (the CPU for a model with none)."""
+    return next(iter([*model.parameters(), *model.buffers()]), torch.empty(0)).device
+
+
+def _on_one_device(model: torch.nn.Module) -> bool:
+    return len({t.device for t in [*model.parameters(), *model.buffers()]}) <= 1
+
+
 DEFAULT_MAX_PLANS = 8
 
 
@@ -167,10 +198,18 @@ class CompiledStep:
         max_plans: int = DEFAULT_MAX_PLANS,
     ) -> None:
         self.executor = executor
-        on_cpu = all(t.device.type == "cpu" for t in [*model.parameters(), *model.buffers()])
-        if allocator == "replay" and not on_cpu:
-            raise MemplanError("allocator='replay' serves CPU memory only; use allocator='views' on this device")
-        self.allocator = resolve_allocator(allocator) if on_cpu else "views"
+        device = model_device(model)
+        if _on_one_device(model):
+            self.allocator, self.allocator_reason = choose_allocator(allocator, device)
+        elif allocator == "replay":
+            raise MemplanError("allocator='replay' needs the model on one device; use allocator='views'")
+        else:
+            self.allocator, self.allocator_reason = "views", "the model spans several devices: arena views"
+        self._native = None  # the CPU allocator by default; the CUDA one on a GPU
+        if self.allocator == "replay" and device.type == "cuda":
+            from memplan.torch.run import cuda_allocator
+
+            self._native = cuda_allocator.native()
         self.fn = fn
         self.model = model
         self.optimizers = list(optimizers)
@@ -189,7 +228,6 @@ class CompiledStep:
             if memory_budget is not None:
                 parse_memory_budget(memory_budget, 1)  # a malformed budget is refused now, not at the first call
         self._own_arena: set[int] = set()  # runners (views-mode budget plans) that keep their own arena
-        device = next(iter([*model.parameters(), *model.buffers()]), torch.empty(0)).device
         self.arena = SharedArena(device)  # one arena for every shape (Sekiyama 4.3)
         self._kept: LruCache[tuple[StepRunner | ReplayedStep, MemoryPlan]] = LruCache(max_plans)
         self.plans_made = 0
@@ -234,6 +272,9 @@ class CompiledStep:
         was_replaying, placing_seconds = runner.replaying, runner.planning_seconds
         result = runner(batch)
         self.planning_seconds += runner.planning_seconds - placing_seconds
+        if runner.refused is not None:
+            self._fall_back_to_views(runner.refused)
+            return result
         if runner.replaying and not was_replaying:
             self._fit_arena()  # placed: the arena at the size the kept plans need
         return result
@@ -271,6 +312,8 @@ class CompiledStep:
                     ),
                     time_limit_seconds=self.time_limit_seconds,
                     arena=self.arena,
+                    native=self._native,
+                    schedulers=self.schedulers,
                 )
             else:
                 self._unbind_views()  # the old block must have no other holder when it grows
@@ -284,6 +327,8 @@ class CompiledStep:
                     arena=arena,
                     executor=self.executor,
                 )
+            plan.report["allocator"] = self.allocator
+            plan.report["allocator_reason"] = self.allocator_reason
             self._kept.put(key, (runner, plan))  # the evicted plans are dropped here
             self.plans_made += 1
             self._fit_arena()
@@ -291,6 +336,13 @@ class CompiledStep:
             self.planning_seconds += time.perf_counter() - start
             kept = self._kept[key]
         return kept[0]
+
+    def _fall_back_to_views(self, reason: str) -> None:
+        """Give the planned allocator up (the step that found why ran on the ordinary allocator
+        and was right): every plan is dropped, the next step plans with arena views."""
+        self.allocator, self.allocator_reason, self._native = "views", f"{reason}; arena views from now on", None
+        self._kept = LruCache(self.max_plans)
+        self.arena.release()
 
     def _needed_arena_bytes(self) -> int:
         """The largest arena a kept plan uses (0 for a replayed step still recording)."""
@@ -348,7 +400,13 @@ class CompiledStep:
         else:
             runner = RematRunner(capture, decided.schedule.steps, self.model, self.optimizers[0])
         if self.allocator == "replay":
-            return ReplayedStep(runner, time_limit_seconds=self.time_limit_seconds, arena=self.arena)
+            return ReplayedStep(
+                runner,
+                time_limit_seconds=self.time_limit_seconds,
+                arena=self.arena,
+                native=self._native,
+                schedulers=self.schedulers,
+            )
         self._own_arena.add(id(runner))
         return runner
 

@@ -13,7 +13,7 @@ from memplan.graph.check import validate_graph, validate_order
 from memplan.graph.ir import Graph, OpId, TensorId
 from memplan.graph.liveness import lifetimes, peak_bytes
 
-ARENA_ALIGNMENT_BYTES = 64
+ARENA_ALIGNMENT_BYTES = 64  # the default; CUDA tensors use 512 (memplan.torch.run.allocator)
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ def make_plan(
     reorder: bool = True,
     atomic_groups: Sequence[Sequence[int]] = (),
     allocator_tensors: Collection[int] = frozenset(),
+    alignment_bytes: int = ARENA_ALIGNMENT_BYTES,
 ) -> MemoryPlan:
     """Reorder (OLLA 3.2) then place (OLLA 3.3) ``graph``; every result is validated.
 
@@ -41,7 +42,9 @@ def make_plan(
     of them (an optimizer's update of one parameter): the order is made to say so before
     lifetimes are measured and tensors placed. ``allocator_tensors`` are left out of the
     arena (the runtime cannot make their op write into it): the plan's peak then counts the
-    whole arena plus those tensors' own resident bytes over time.
+    whole arena plus those tensors' own resident bytes over time. Offsets, the arena and its
+    lower bound count every size padded to ``alignment_bytes`` (512 for CUDA, as its caching
+    allocator rounds).
     """
     validate_graph(graph)
     program = graph.program_order()
@@ -50,8 +53,8 @@ def make_plan(
     order = make_groups_contiguous(order, atomic_groups)
     validate_order(graph, order)
     optimized_peak = peak_bytes(graph, order)
-    offsets, arena, placement = _place(graph, order, time_limit_seconds, allocator_tensors)
-    padded_bound = _padded_peak(graph, order, allocator_tensors)
+    offsets, arena, placement = _place(graph, order, time_limit_seconds, allocator_tensors, alignment_bytes)
+    padded_bound = _padded_peak(graph, order, allocator_tensors, alignment_bytes)
     outside = _resident_peak(graph, order, allocator_tensors)
     report = {
         "num_ops": graph.num_ops,
@@ -59,6 +62,7 @@ def make_plan(
         "program_order_peak_bytes": program_peak,
         "optimized_order_peak_bytes": optimized_peak,
         "lower_bound_bytes": peak_lower_bound(graph),
+        "alignment_bytes": alignment_bytes,
         "arena_bytes": arena,
         "arena_lower_bound_bytes": padded_bound,
         "allocator_tensor_bytes": sum(graph.tensors[t].size_bytes for t in allocator_tensors),
@@ -112,9 +116,9 @@ def _reorder(graph: Graph, time_limit_seconds: float) -> tuple[list[OpId], dict[
 
 
 def _place(
-    graph: Graph, order: list[OpId], time_limit_seconds: float, exclude: Collection[int]
+    graph: Graph, order: list[OpId], time_limit_seconds: float, exclude: Collection[int], alignment_bytes: int
 ) -> tuple[dict[TensorId, int], int, dict]:
-    offsets, placement = place_order(graph, order, time_limit_seconds, exclude)
+    offsets, placement = place_order(graph, order, time_limit_seconds, exclude, alignment_bytes)
     summary = {
         "method": placement.method,
         "status": placement.status,
@@ -125,14 +129,18 @@ def _place(
 
 
 def place_order(
-    graph: Graph, order: list[OpId], time_limit_seconds: float = 10.0, exclude: Collection[int] = frozenset()
+    graph: Graph,
+    order: list[OpId],
+    time_limit_seconds: float = 10.0,
+    exclude: Collection[int] = frozenset(),
+    alignment_bytes: int = ARENA_ALIGNMENT_BYTES,
 ) -> tuple[dict[TensorId, int], Any]:
     """Static offsets (OLLA 3.3, Sekiyama 3.2) for every planned tensor of ``graph`` run in
-    ``order``, aligned to :data:`ARENA_ALIGNMENT_BYTES`; checked by the placement validator
-    and again, independently, against the estimator's lifetimes."""
+    ``order``, aligned to ``alignment_bytes``; checked by the placement validator and again,
+    independently, against the estimator's lifetimes."""
     from memplan.placement import place, problem_from_graph, validate_placement
 
-    problem = problem_from_graph(graph, order, alignment=ARENA_ALIGNMENT_BYTES, exclude=exclude)
+    problem = problem_from_graph(graph, order, alignment=alignment_bytes, exclude=exclude)
     placement = place(problem, time_limit_seconds=time_limit_seconds)
     validate_placement(problem, placement)
     index = graph.tensor_index
@@ -155,12 +163,13 @@ def _check_no_overlap(graph: Graph, order: list[OpId], offsets: dict[TensorId, i
         active.append(t)
 
 
-def _padded_peak(graph: Graph, order: list[OpId], exclude: Collection[int]) -> int:
+def _padded_peak(graph: Graph, order: list[OpId], exclude: Collection[int], alignment_bytes: int) -> int:
     """The arena's lower bound: the largest total of planned sizes, each padded to the
-    alignment, resident at once (the estimator's peak minus persistent bytes, padded)."""
+    alignment, resident at once (with nothing excluded: ``peak_bytes(graph, order,
+    alignment_bytes)`` minus the padded persistent bytes)."""
     from memplan.placement import lower_bound_bytes, problem_from_graph
 
-    return lower_bound_bytes(problem_from_graph(graph, order, alignment=ARENA_ALIGNMENT_BYTES, exclude=exclude))
+    return lower_bound_bytes(problem_from_graph(graph, order, alignment=alignment_bytes, exclude=exclude))
 
 
 def _resident_peak(graph: Graph, order: list[OpId], tensors: Collection[int]) -> int:

@@ -25,11 +25,18 @@ from memplan.errors import MemplanError
 from memplan.graph.ir import Graph
 from memplan.graph.liveness import peak_bytes
 from memplan.graph.multistream import is_multi_stream
+from memplan.pipeline import ARENA_ALIGNMENT_BYTES
 from memplan.report.format import format_bytes, format_percent
 from memplan.schedule import ScheduleResult, optimize_order
 
 TimeLimit = Annotated[float, typer.Option("--time-limit", min=0.01, help="Seconds the exact solver may run.")]
 MethodOption = Annotated[str, typer.Option("--method", help="auto | ilp | heuristic")]
+AlignmentOption = Annotated[
+    int,
+    typer.Option(
+        "--alignment", min=1, help="Offset alignment of the arena in bytes (512 as PyTorch's CUDA allocator rounds)."
+    ),
+]
 TraceOut = Annotated[
     Path | None, typer.Option("--trace", help="Write the optimised order as a Chrome/Perfetto trace (JSON).")
 ]
@@ -39,14 +46,17 @@ SnapshotOut = Annotated[
 ]
 
 
-def placement_report(graph: Graph, order: list[int], time_limit_seconds: float) -> dict[str, Any]:
+def placement_report(
+    graph: Graph, order: list[int], time_limit_seconds: float, alignment_bytes: int = ARENA_ALIGNMENT_BYTES
+) -> dict[str, Any]:
     """Static offsets for the optimised order (OLLA 3.3): arena, fragmentation, solver."""
-    from memplan.pipeline import ARENA_ALIGNMENT_BYTES, place_order
+    from memplan.pipeline import place_order
     from memplan.placement import lower_bound_bytes, problem_from_graph
 
-    _, placement = place_order(graph, order, time_limit_seconds)
-    bound = lower_bound_bytes(problem_from_graph(graph, order, alignment=ARENA_ALIGNMENT_BYTES))
+    _, placement = place_order(graph, order, time_limit_seconds, alignment_bytes=alignment_bytes)
+    bound = lower_bound_bytes(problem_from_graph(graph, order, alignment=alignment_bytes))
     return {
+        "alignment_bytes": alignment_bytes,
         "arena_bytes": placement.arena_bytes,
         "arena_lower_bound_bytes": bound,
         "fragmentation": 0.0 if placement.arena_bytes == 0 else (placement.arena_bytes - bound) / placement.arena_bytes,
@@ -111,6 +121,7 @@ def optimize(
     ] = False,
     trace: TraceOut = None,
     snapshot: SnapshotOut = None,
+    alignment: AlignmentOption = ARENA_ALIGNMENT_BYTES,
     quiet: Quiet = False,
 ) -> None:
     """Find the order of the ops with the smallest peak (OLLA's lifetime optimisation)."""
@@ -132,10 +143,10 @@ def optimize(
         print_stream_report(report["streams"], out, "multi-stream placement of the optimised order")
     else:
         with progress("placing"):
-            report.update(placement_report(graph, list(result.order), time_limit))
+            report.update(placement_report(graph, list(result.order), time_limit, alignment))
         print_report(report, out)
         if snapshot is not None:
-            report["snapshot"] = write_plan_snapshot(graph, list(result.order), time_limit, snapshot)
+            report["snapshot"] = write_plan_snapshot(graph, list(result.order), time_limit, snapshot, alignment)
             out.print(f"wrote {snapshot} (open it at https://pytorch.org/memory_viz)")
     if trace is not None:
         from memplan.torch.export.chrome_trace import plan_trace, write_trace
@@ -146,12 +157,14 @@ def optimize(
     write_json(json_path, report)
 
 
-def write_plan_snapshot(graph: Graph, order: list[int], time_limit: float, path: Path) -> dict[str, Any]:
+def write_plan_snapshot(
+    graph: Graph, order: list[int], time_limit: float, path: Path, alignment_bytes: int = ARENA_ALIGNMENT_BYTES
+) -> dict[str, Any]:
     """The optimised order, placed, as a memory snapshot (PyTorch's memory visualizer)."""
     from memplan.pipeline import place_order
     from memplan.torch.export.snapshot import check_snapshot, plan_snapshot, write_snapshot
 
-    offsets, placement = place_order(graph, order, time_limit)
+    offsets, placement = place_order(graph, order, time_limit, alignment_bytes=alignment_bytes)
     snap = plan_snapshot(graph, order, offsets, placement.arena_bytes)
     numbers = check_snapshot(snap)
     write_snapshot(snap, path)

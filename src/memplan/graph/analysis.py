@@ -16,6 +16,7 @@ import numpy as np
 
 from memplan.errors import CycleError
 from memplan.graph.ir import Category, Graph, OpId
+from memplan.graph.liveness import padded, persistent_bytes
 
 
 def topological_order(graph: Graph, priority: Sequence[float] | None = None) -> list[OpId]:
@@ -105,8 +106,9 @@ def _bits_to_array(bits: int, n: int) -> np.ndarray:
     return np.unpackbits(raw, bitorder="little")[:n].astype(bool)
 
 
-def necessarily_resident_bytes(graph: Graph, reach: Reachability | None = None) -> list[int]:
-    """For each op ``v``: bytes that every order must hold while ``v`` runs.
+def necessarily_resident_bytes(graph: Graph, reach: Reachability | None = None, alignment: int = 1) -> list[int]:
+    """For each op ``v``: bytes that every order must hold while ``v`` runs, each tensor
+    counted at its size padded to ``alignment`` (as :func:`memplan.graph.liveness.peak_bytes`).
 
     A non-persistent tensor ``e`` is resident at ``v`` in every order if ``v`` produces or
     reads ``e``, or if ``src(e)`` is an ancestor of ``v`` and some reader of ``e`` is a
@@ -115,7 +117,7 @@ def necessarily_resident_bytes(graph: Graph, reach: Reachability | None = None) 
     """
     reach = reach or Reachability.of(graph)
     n = len(graph.ops)
-    total = np.full(n, graph.persistent_bytes, dtype=np.int64)
+    total = np.full(n, persistent_bytes(graph, alignment), dtype=np.int64)
     for t_id, tensor in enumerate(graph.tensors):
         if tensor.persistent or tensor.size_bytes == 0:
             continue
@@ -129,11 +131,11 @@ def necessarily_resident_bytes(graph: Graph, reach: Reachability | None = None) 
         if tensor.category is Category.OUTPUT:
             later = reach.descendants[src]
         mask |= reach.descendants[src] & later
-        total += tensor.size_bytes * _bits_to_array(mask, n)
+        total += padded(tensor.size_bytes, alignment) * _bits_to_array(mask, n)
     return [int(x) for x in total]
 
 
-def peak_lower_bound(graph: Graph, reach: Reachability | None = None) -> int:
+def peak_lower_bound(graph: Graph, reach: Reachability | None = None, alignment: int = 1) -> int:
     """A lower bound on the peak resident set of every topological order of ``graph``:
-    the largest :func:`necessarily_resident_bytes` over all ops."""
-    return max(necessarily_resident_bytes(graph, reach), default=graph.persistent_bytes)
+    the largest :func:`necessarily_resident_bytes` over all ops (sizes padded to ``alignment``)."""
+    return max(necessarily_resident_bytes(graph, reach, alignment), default=persistent_bytes(graph, alignment))

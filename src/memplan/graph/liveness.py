@@ -6,6 +6,12 @@ timestep ``s`` and last read at timestep ``u`` is resident during ``[s, u + 1)``
 nobody reads is resident during its producer's timestep only; an output of the step stays
 until the end; a persistent tensor is resident throughout. Every solver in memplan reports
 peaks computed here.
+
+``alignment`` (bytes, default 1) counts every tensor at its size rounded up to a multiple of
+it, as an allocator that aligns its blocks holds it (PyTorch's CUDA caching allocator rounds
+to 512 bytes, its CPU allocator to 64): the placement problem
+(:mod:`memplan.placement.problem`) pads sizes the same way, so its lower bound is this peak
+minus the padded persistent bytes.
 """
 
 from __future__ import annotations
@@ -23,6 +29,18 @@ class Lifetime:
     tensor: TensorId
     start: int
     end: int
+
+
+def padded(size: int, alignment: int = 1) -> int:
+    """``size`` rounded up to a multiple of ``alignment`` (0 stays 0)."""
+    if alignment < 1:
+        raise ValueError(f"alignment must be at least 1 byte, got {alignment}")
+    return -(-size // alignment) * alignment
+
+
+def persistent_bytes(graph: Graph, alignment: int = 1) -> int:
+    """Bytes of the persistent tensors, each padded to ``alignment``."""
+    return sum(padded(t.size_bytes, alignment) for t in graph.tensors if t.persistent)
 
 
 def positions(order: Sequence[int]) -> list[int]:
@@ -51,26 +69,27 @@ def lifetimes(graph: Graph, order: Sequence[int]) -> list[Lifetime]:
     return result
 
 
-def memory_timeline(graph: Graph, order: Sequence[int]) -> list[int]:
-    """Resident bytes at every timestep of ``order`` (persistent bytes included)."""
+def memory_timeline(graph: Graph, order: Sequence[int], alignment: int = 1) -> list[int]:
+    """Resident bytes at every timestep of ``order`` (persistent bytes included), every
+    tensor counted at its size padded to ``alignment``."""
     n = len(order)
     delta = [0] * (n + 1)
     for life in lifetimes(graph, order):
-        size = graph.tensors[life.tensor].size_bytes
+        size = padded(graph.tensors[life.tensor].size_bytes, alignment)
         if size and not graph.tensors[life.tensor].persistent:
             delta[life.start] += size
             delta[life.end] -= size
     timeline = []
-    resident = graph.persistent_bytes
+    resident = persistent_bytes(graph, alignment)
     for t in range(n):
         resident += delta[t]
         timeline.append(resident)
     return timeline
 
 
-def peak_bytes(graph: Graph, order: Sequence[int]) -> int:
+def peak_bytes(graph: Graph, order: Sequence[int], alignment: int = 1) -> int:
     """The peak resident set of ``order`` (OLLA 2.2): max over :func:`memory_timeline`."""
-    return max(memory_timeline(graph, order), default=graph.persistent_bytes)
+    return max(memory_timeline(graph, order, alignment), default=persistent_bytes(graph, alignment))
 
 
 def peak_timestep(graph: Graph, order: Sequence[int]) -> int:

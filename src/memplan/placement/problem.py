@@ -29,6 +29,7 @@ import numpy as np
 from memplan.errors import MemplanError
 from memplan.graph.ir import Graph
 from memplan.graph.liveness import lifetimes as graph_lifetimes
+from memplan.graph.liveness import padded
 
 
 class PlacementError(MemplanError, ValueError):
@@ -147,8 +148,7 @@ class PlacementProblem:
     @cached_property
     def padded_sizes_bytes(self) -> tuple[int, ...]:
         """Sizes rounded up to the alignment: what each buffer really occupies."""
-        a = self.alignment_bytes
-        return tuple(-(-s // a) * a for s in self.sizes_bytes)
+        return tuple(padded(s, self.alignment_bytes) for s in self.sizes_bytes)
 
     @cached_property
     def lower_bound_bytes(self) -> int:

@@ -1,11 +1,18 @@
-"""Profile-guided allocation on the CPU (Sekiyama et al. 3-4): record the alloc/free sequence
-of one step, solve the offsets of every allocation in one arena, and serve the same
-allocations of later steps at their planned offsets.
+"""Profile-guided allocation (Sekiyama et al. 3-4): record the alloc/free sequence of one step,
+solve the offsets of every allocation in one arena, and serve the same allocations of later
+steps at their planned offsets.
 
-The allocator itself is a small C++ library (``csrc/planned_allocator.cpp``) installed in front
-of PyTorch's CPU allocator; it is compiled on first use with the system's C++ compiler against
-the installed torch's headers and cached. Without a compiler, :func:`load` raises
-:class:`AllocatorUnavailable` and callers fall back to arena views (``memplan.torch.run.interpreter``).
+The allocators are small C++ libraries compiled on first use with the system's C++ compiler and
+cached; both compile the same record/replay state machine (``csrc/replay_core.h``) and expose
+the same C interface, driven here through :class:`NativeReplay`:
+
+- the CPU one (``csrc/planned_allocator.cpp``, built against the installed torch's c10 headers)
+  is installed in front of PyTorch's CPU allocator (:func:`load`);
+- the CUDA one (``csrc/cuda_planned_allocator.cpp``, no CUDA or torch headers) is a
+  ``CUDAPluggableAllocator`` (:mod:`memplan.torch.run.cuda_allocator`).
+
+Without a compiler, :func:`load` raises :class:`AllocatorUnavailable` and callers fall back to
+arena views (``memplan.torch.run.interpreter``).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import os
 import shutil
 import subprocess
 import sysconfig
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -25,25 +33,42 @@ from pathlib import Path
 import torch
 from memplan.errors import MemplanError
 
-SOURCE = Path(__file__).parent / "csrc" / "planned_allocator.cpp"
-ALIGNMENT_BYTES = 64  # PyTorch's CPU allocator aligns to 64 bytes too
+CSRC = Path(__file__).parent / "csrc"
+SOURCE = CSRC / "planned_allocator.cpp"
+CORE_HEADER = CSRC / "replay_core.h"
+CPU_ALIGNMENT_BYTES = 64  # PyTorch's CPU allocator aligns to 64 bytes too
+CUDA_ALIGNMENT_BYTES = 512  # PyTorch's CUDA caching allocator rounds every block to 512 bytes
+ALIGNMENT_BYTES = CPU_ALIGNMENT_BYTES  # the planned CPU allocator's
 _I64 = ctypes.c_int64
 _P64 = ctypes.POINTER(ctypes.c_int64)
+_NUM_STATS = 8
+# what every arena's address must be a multiple of: PyTorch's CPU allocator gives 64, cudaMalloc
+# 256; planned offsets are multiples of the device's alignment on top (kernels load 16 at most)
+ARENA_BASE_ALIGNMENT_BYTES = 64
+
+
+def alignment_for(device: torch.device | str) -> int:
+    """The arena alignment for tensors on ``device``: what its PyTorch allocator rounds to."""
+    return CUDA_ALIGNMENT_BYTES if torch.device(device).type == "cuda" else CPU_ALIGNMENT_BYTES
 
 
 class AllocatorUnavailable(MemplanError):
-    """The planned CPU allocator could not be built or installed here."""
+    """A planned allocator could not be built or installed here."""
 
 
 @dataclass(frozen=True)
 class AllocationTrace:
     """The allocations of one recorded step, in request order: ``sizes[k]`` bytes, alive over
     ``[alloc_at[k], free_at[k])`` in event time; ``free_at[k] is None`` when it outlived the
-    step (the result, new optimizer state), which then never goes to the arena."""
+    step (the result, new optimizer state), which then never goes to the arena. ``streams[k]``
+    is the stream allocation k was made on (0 on the CPU); sizes are padded to
+    ``alignment_bytes`` in the arena."""
 
     sizes: tuple[int, ...]
     alloc_at: tuple[int, ...]
     free_at: tuple[int | None, ...]
+    streams: tuple[int, ...] = ()
+    alignment_bytes: int = CPU_ALIGNMENT_BYTES
 
     @property
     def num_allocations(self) -> int:
@@ -54,7 +79,8 @@ class AllocationTrace:
         deltas: list[tuple[int, int]] = []
         for size, start, end in zip(self.sizes, self.alloc_at, self.free_at, strict=True):
             if end is not None:
-                deltas += [(start, aligned(size)), (end, -aligned(size))]
+                padded = aligned(size, self.alignment_bytes)
+                deltas += [(start, padded), (end, -padded)]
         live = peak = 0
         for _, delta in sorted(deltas, key=lambda d: (d[0], d[1])):
             live += delta
@@ -76,8 +102,8 @@ class ReplayStats:
     arena_alive_after: int  # arena allocations that outlived the step (must be 0)
 
 
-def aligned(size: int) -> int:
-    return -(-size // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
+def aligned(size: int, alignment: int = CPU_ALIGNMENT_BYTES) -> int:
+    return -(-size // alignment) * alignment
 
 
 def cache_dir() -> Path:
@@ -89,16 +115,29 @@ def cache_dir() -> Path:
 
 @cache
 def load() -> ctypes.CDLL:
-    """Build (once, cached by source and torch version) and load the allocator library, and
+    """Build (once, cached by source and torch version) and load the CPU allocator library, and
     install it as PyTorch's CPU allocator. Raises :class:`AllocatorUnavailable`."""
     # OR-Tools' native module crashes when it is first imported after the allocator is
     # installed (a segfault while loading it): load the placement solvers, which replay needs
     # anyway, first
     import memplan.placement  # noqa: F401
 
-    library = _build()
+    torch_dir = Path(torch.__file__).parent
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    library = build_library(
+        SOURCE,
+        "planned_allocator",
+        [
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            f"-I{torch_dir / 'include'}",
+            f"-I{sysconfig.get_paths()['include']}",
+        ],
+        [f"-L{torch_dir / 'lib'}", "-lc10", f"-Wl,-rpath,{torch_dir / 'lib'}"],
+    )
     lib = ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
-    _declare(lib)
+    declare_replay_api(lib)
+    lib.mp_install.restype = ctypes.c_int
+    lib.mp_installed.restype = ctypes.c_int
     if not lib.mp_install():
         raise AllocatorUnavailable("PyTorch's CPU allocator could not be replaced (another one is installed)")
     return lib
@@ -112,79 +151,44 @@ def available() -> bool:
     return True
 
 
-def _build() -> Path:
-    torch_dir = Path(torch.__file__).parent
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + torch.__version__.encode() + str(torch_dir).encode()).hexdigest()[:16]
-    target = cache_dir() / f"planned_allocator-{key}.so"
+def build_library(source: Path, name: str, compile_flags: Sequence[str], link_flags: Sequence[str]) -> Path:
+    """Compile ``source`` (with ``replay_core.h``) into a shared library in the cache, once per
+    content of both files, the flags and the torch version; returns its path. Builds by
+    several processes at once are serialised by a lock file."""
+    key_parts = source.read_bytes() + CORE_HEADER.read_bytes() + torch.__version__.encode()
+    key_parts += " ".join([*compile_flags, *link_flags]).encode()
+    target = cache_dir() / f"{name}-{hashlib.sha256(key_parts).hexdigest()[:16]}.so"
     if target.exists():
         return target
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
-        raise AllocatorUnavailable("no C++ compiler found (set CXX or install g++) to build the planned allocator")
+        raise AllocatorUnavailable(f"no C++ compiler found (set CXX or install g++) to build {name}")
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if target.exists():
             return target
         partial = target.with_suffix(f".{os.getpid()}.tmp")
-        abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-        command = [
-            compiler,
-            "-O2",
-            "-std=c++17",
-            "-shared",
-            "-fPIC",
-            f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            f"-I{torch_dir / 'include'}",
-            f"-I{sysconfig.get_paths()['include']}",
-            str(SOURCE),
-            f"-L{torch_dir / 'lib'}",
-            "-lc10",
-            f"-Wl,-rpath,{torch_dir / 'lib'}",
-            "-o",
-            str(partial),
-        ]
-        done = subprocess.run(command, capture_output=True, text=True)
+        command = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{CSRC}", *compile_flags, str(source)]
+        done = subprocess.run([*command, *link_flags, "-o", str(partial)], capture_output=True, text=True)
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise AllocatorUnavailable(f"building the planned allocator failed: {last}")
+            raise AllocatorUnavailable(f"building {name} failed: {last}")
         partial.replace(target)
     return target
 
 
-def _declare(lib: ctypes.CDLL) -> None:
-    lib.mp_install.restype = ctypes.c_int
-    lib.mp_installed.restype = ctypes.c_int
+def declare_replay_api(lib: ctypes.CDLL) -> None:
+    """Argument and result types of the C interface both libraries share (replay_core.h)."""
     lib.mp_begin_record.restype = None
     lib.mp_end_record.restype = _I64
     lib.mp_record_num_allocations.restype = _I64
-    lib.mp_record_copy.argtypes = [_P64, _P64]
+    lib.mp_record_copy.argtypes = [_P64, _P64, _P64]
+    lib.mp_record_copy.restype = None
     lib.mp_begin_replay.restype = ctypes.c_int
-    lib.mp_begin_replay.argtypes = [ctypes.c_void_p, _I64, _I64, _P64, _P64, _P64, _I64, _P64]
+    lib.mp_begin_replay.argtypes = [ctypes.c_void_p, _I64, _I64, _P64, _P64, _P64, _P64, _I64, _P64]
     lib.mp_end_replay.argtypes = [_P64]
-
-
-def begin_record() -> None:
-    load().mp_begin_record()
-
-
-def end_record() -> AllocationTrace:
-    """Stop recording and return the trace of the allocations made since :func:`begin_record`."""
-    lib = load()
-    num_events = lib.mp_end_record()
-    num_allocations = lib.mp_record_num_allocations()
-    sizes = (ctypes.c_int64 * max(num_allocations, 1))()
-    events = (ctypes.c_int64 * max(num_events, 1))()
-    lib.mp_record_copy(sizes, events)
-    alloc_at: list[int] = [0] * num_allocations
-    free_at: list[int | None] = [None] * num_allocations
-    for time, event in enumerate(events[:num_events]):
-        if event >= 0:
-            alloc_at[event] = time
-        else:
-            free_at[-event - 1] = time
-    return AllocationTrace(tuple(sizes[:num_allocations]), tuple(alloc_at), tuple(free_at))
+    lib.mp_end_replay.restype = None
 
 
 @dataclass(frozen=True)
@@ -197,6 +201,7 @@ class ReplayPlan:
     need: tuple[int, ...]
     free_order: tuple[int, ...]
     arena_bytes: int
+    streams: tuple[int, ...] = ()
 
 
 def replay_plan(trace: AllocationTrace, offsets: dict[int, int], arena_bytes: int) -> ReplayPlan:
@@ -213,6 +218,7 @@ def replay_plan(trace: AllocationTrace, offsets: dict[int, int], arena_bytes: in
         tuple(need),
         free_order,
         arena_bytes,
+        trace.streams,
     )
 
 
@@ -220,21 +226,104 @@ def _count_before(sorted_times: list[int], time: int) -> int:
     return bisect.bisect_left(sorted_times, time)
 
 
+def _array(values: Sequence[int]) -> ctypes.Array:
+    return (ctypes.c_int64 * max(len(values), 1))(*values)
+
+
+class NativeReplay:
+    """Record and replay through one library's C interface (``replay_core.h``): the same calls
+    for the CPU and the CUDA allocator; ``alignment_bytes`` is the arena alignment of its device.
+    ``verify_first_replay``: the first replayed step of each plan is run again on the ordinary
+    allocator and compared bit for bit (:mod:`memplan.torch.run.verify`); the CPU allocator is
+    covered by the tests, so it does not ask for it."""
+
+    verify_first_replay = False
+
+    def __init__(self, lib: ctypes.CDLL, alignment_bytes: int) -> None:
+        self.lib = lib
+        self.alignment_bytes = alignment_bytes
+
+    def begin_record(self) -> None:
+        self.lib.mp_begin_record()
+
+    def end_record(self) -> AllocationTrace:
+        """Stop recording and return the trace of the allocations made since :meth:`begin_record`."""
+        num_events = self.lib.mp_end_record()
+        num_allocations = self.lib.mp_record_num_allocations()
+        sizes = (ctypes.c_int64 * max(num_allocations, 1))()
+        streams = (ctypes.c_int64 * max(num_allocations, 1))()
+        events = (ctypes.c_int64 * max(num_events, 1))()
+        self.lib.mp_record_copy(sizes, events, streams)
+        alloc_at: list[int] = [0] * num_allocations
+        free_at: list[int | None] = [None] * num_allocations
+        for time, event in enumerate(events[:num_events]):
+            if event >= 0:
+                alloc_at[event] = time
+            else:
+                free_at[-event - 1] = time
+        return AllocationTrace(
+            tuple(sizes[:num_allocations]),
+            tuple(alloc_at),
+            tuple(free_at),
+            tuple(streams[:num_allocations]),
+            self.alignment_bytes,
+        )
+
+    def begin_replay(self, plan: ReplayPlan, arena_address: int, arena_bytes: int) -> None:
+        """Serve the plan's allocations at ``arena_address + offset`` until :meth:`end_replay`."""
+        if arena_bytes < plan.arena_bytes:
+            raise MemplanError(f"the arena holds {arena_bytes} bytes, the plan needs {plan.arena_bytes}")
+        if arena_address % ARENA_BASE_ALIGNMENT_BYTES:
+            raise MemplanError(f"the arena at {arena_address:#x} is not aligned to {ARENA_BASE_ALIGNMENT_BYTES} bytes")
+        n = len(plan.sizes)
+        streams = _array(plan.streams) if plan.streams else None
+        ok = self.lib.mp_begin_replay(
+            arena_address,
+            arena_bytes,
+            n,
+            _array(plan.sizes),
+            streams,
+            _array(plan.offsets),
+            _array(plan.need),
+            len(plan.free_order),
+            _array(plan.free_order),
+        )
+        if not ok:
+            raise MemplanError("arena allocations of an earlier step are still alive; replay refused")
+
+    def end_replay(self) -> ReplayStats:
+        values = (ctypes.c_int64 * _NUM_STATS)()
+        self.lib.mp_end_replay(values)
+        served, served_bytes, fallback, fallback_bytes, blocked, diverged, seen, alive = values
+        return ReplayStats(
+            served, served_bytes, fallback, fallback_bytes, blocked, None if diverged < 0 else diverged, seen, alive
+        )
+
+    def release_free_memory(self) -> None:
+        """Give freed memory back (the C heap's free pages on the CPU)."""
+        from memplan.torch.rss import release_free_memory
+
+        release_free_memory()
+
+
+@cache
+def cpu() -> NativeReplay:
+    """The planned CPU allocator, built and installed."""
+    return NativeReplay(load(), CPU_ALIGNMENT_BYTES)
+
+
+def begin_record() -> None:
+    cpu().begin_record()
+
+
+def end_record() -> AllocationTrace:
+    """Stop recording and return the trace of the allocations made since :func:`begin_record`."""
+    return cpu().end_record()
+
+
 def begin_replay(plan: ReplayPlan, arena: torch.Tensor) -> None:
-    n = len(plan.sizes)
-    arrays = [(ctypes.c_int64 * max(n, 1))(*values) for values in (plan.sizes, plan.offsets, plan.need)]
-    free_order = (ctypes.c_int64 * max(len(plan.free_order), 1))(*plan.free_order)
-    if arena.numel() < plan.arena_bytes:
-        raise MemplanError(f"the arena holds {arena.numel()} bytes, the plan needs {plan.arena_bytes}")
-    ok = load().mp_begin_replay(arena.data_ptr(), arena.numel(), n, *arrays, len(plan.free_order), free_order)
-    if not ok:
-        raise MemplanError("arena allocations of an earlier step are still alive; replay refused")
+    cpu().begin_replay(plan, arena.data_ptr(), arena.numel())
 
 
 def end_replay() -> ReplayStats:
-    values = (ctypes.c_int64 * 8)()
-    load().mp_end_replay(values)
-    served, served_bytes, fallback, fallback_bytes, blocked, diverged, seen, alive = values
-    return ReplayStats(
-        served, served_bytes, fallback, fallback_bytes, blocked, None if diverged < 0 else diverged, seen, alive
-    )
+    return cpu().end_replay()

@@ -56,10 +56,16 @@ class SharedArena:
         return self.tensor
 
     def release(self) -> None:
-        """Give the block back (to the OS: blocks this large are mapped, not heap)."""
+        """Give the block back (to the OS: blocks this large are mapped, not heap; on CUDA, out
+        of the allocator's cache to the device)."""
         if self.nbytes:
             self.tensor = torch.empty(0, dtype=torch.uint8, device=self.device)
-            release_free_memory()
+            if self.device.type == "cuda":
+                from memplan.torch.run import cuda_allocator
+
+                cuda_allocator.release_free_memory()
+            else:
+                release_free_memory()
 
     def fit(self, nbytes: int) -> torch.Tensor:
         """The arena at exactly ``nbytes`` when it is larger (the plans that needed more were

@@ -13,17 +13,17 @@ output is copied and oneDNN's scratch lands in the arena too.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from memplan.errors import MemplanError
 from memplan.placement import PlacementProblem, place, validate_placement
-from memplan.torch.rss import release_free_memory
 from memplan.torch.run import allocator
-from memplan.torch.run.allocator import AllocationTrace, ReplayPlan, ReplayStats
+from memplan.torch.run.allocator import AllocationTrace, NativeReplay, ReplayPlan, ReplayStats
 from memplan.torch.run.arena import SharedArena
+from memplan.torch.run.verify import StepObjects, verify_by_rerun
 
 MAX_RECORDINGS = 4
 
@@ -48,7 +48,7 @@ def placement_problem(trace: AllocationTrace) -> tuple[PlacementProblem, list[in
     problem = PlacementProblem.from_intervals(
         [trace.sizes[k] for k in indices],
         [(trace.alloc_at[k], trace.free_at[k]) for k in indices],
-        alignment_bytes=allocator.ALIGNMENT_BYTES,
+        alignment_bytes=trace.alignment_bytes,
     )
     return problem, indices
 
@@ -61,13 +61,26 @@ class ReplayedStep:
     step records (the recording runs on the ordinary allocator, and the process should not hold
     both) and reserved at the plan's size when it replays. ``last_stats`` says what the latest
     replayed step did; a step whose allocations differ from the recording is still correct (the
-    rest goes to the allocator) and is recorded again next time.
+    rest goes to the allocator) and is recorded again next time. ``native`` is the planned
+    allocator that records and replays: the CPU one by default, the CUDA one
+    (:func:`memplan.torch.run.cuda_allocator.native`) for a step on a GPU. Where the native
+    allocator asks for it (CUDA: ``verify_first_replay``), the first replayed step of every plan
+    is run again on the ordinary allocator and must give the same bits
+    (:mod:`memplan.torch.run.verify`); otherwise ``refused`` says why and every later step runs
+    on the ordinary allocator (the caller then plans with arena views).
     """
 
     def __init__(
-        self, run: Callable[[Any], Any], *, time_limit_seconds: float = 5.0, arena: SharedArena | None = None
+        self,
+        run: Callable[[Any], Any],
+        *,
+        time_limit_seconds: float = 5.0,
+        arena: SharedArena | None = None,
+        native: NativeReplay | None = None,
+        schedulers: Sequence[Any] = (),
     ) -> None:
-        allocator.load()
+        self.native = native if native is not None else allocator.cpu()
+        self.schedulers = list(schedulers)  # state the verification of a first replay puts back
         self.run = run
         self.time_limit_seconds = time_limit_seconds
         self.shared = arena if arena is not None else SharedArena()
@@ -76,19 +89,41 @@ class ReplayedStep:
         self.placement: ArenaPlacement | None = None
         self.last_stats: ReplayStats | None = None
         self.recordings = 0
+        self.replays = 0  # steps served from the plan
+        self.refused: str | None = None  # why replay was given up (the step then runs on the allocator)
         self._previous: AllocationTrace | None = None
+        self._unverified = False  # a new plan whose first replay the native allocator wants verified
 
     def __call__(self, batch: Any) -> Any:
+        if self.refused is not None:
+            return self.run(batch)
         if self.plan is None:
             return self._record(batch)
         if self.last_stats is None and hasattr(self.run, "request_self_check"):
             self.run.request_self_check()  # the first replayed step is checked too
-        allocator.begin_replay(self.plan, self.shared.reserve(self.plan.arena_bytes))
+        if not self._unverified:
+            return self._replay(batch)
+        self._unverified = False
+        result, reason = verify_by_rerun(
+            StepObjects.of(self.run, self.schedulers), lambda: self._replay(batch), lambda: self.run(batch)
+        )
+        if reason is not None:
+            self.refused = f"{reason}: replay given up"
+            self.plan = None
+            self.shared.release()
+        return result
+
+    def _replay(self, batch: Any) -> Any:
+        """One step with every planned allocation at its offset."""
+        assert self.plan is not None
+        arena = self.shared.reserve(self.plan.arena_bytes)
+        self.native.begin_replay(self.plan, arena.data_ptr(), arena.numel())
         try:
             result = self.run(batch)
         finally:
-            stats = allocator.end_replay()
+            stats = self.native.end_replay()
         self.last_stats = stats
+        self.replays += 1
         if stats.arena_alive_after:
             raise MemplanError(
                 f"{stats.arena_alive_after} arena allocation(s) outlived the step, which the recording did not show; "
@@ -109,14 +144,14 @@ class ReplayedStep:
 
     def _record(self, batch: Any) -> Any:
         self.shared.release()
-        allocator.begin_record()
+        self.native.begin_record()
         try:
             result = self.run(batch)
         finally:
-            trace = allocator.end_record()
+            trace = self.native.end_record()
         # the step ran on the ordinary allocator: the C library keeps its freed blocks in a heap
         # that the plans' objects fragment, and the process would grow with every new shape
-        release_free_memory()
+        self.native.release_free_memory()
         self.recordings += 1
         if getattr(self.run, "last_step_observed", False):
             return result  # the self-check's dispatch mode changed this step's allocations: record again
@@ -135,10 +170,11 @@ class ReplayedStep:
         # the recording steps' freed blocks go back to the OS before the arena is mapped (in
         # this untimed step, not on first touch in the first replayed step)
         self._previous = None
-        release_free_memory()
+        self.native.release_free_memory()
         self.shared.reserve(solved.arena_bytes)
         self.planning_seconds += time.perf_counter() - start
         self.plan = allocator.replay_plan(trace, offsets, solved.arena_bytes)
+        self._unverified = self.native.verify_first_replay
         self.placement = ArenaPlacement(
             solved.arena_bytes,
             problem.lower_bound_bytes,

@@ -1,0 +1,202 @@
+"""The planned CUDA allocator: the CPU allocator's contract (record until two steps agree, place,
+replay every allocation at its planned offset, the safety check, fall back and re-record on
+divergence; :mod:`memplan.torch.run.replay`) for a step on a GPU.
+
+The library (``csrc/cuda_planned_allocator.cpp``) compiles the same record/replay state machine
+as the CPU one (``csrc/replay_core.h``) behind the two entry points of
+:class:`torch.cuda.memory.CUDAPluggableAllocator`; it is built on first use with the system C++
+compiler, with no nvcc and no CUDA or torch headers (a stream is an opaque pointer, the arena is a
+block PyTorch allocates, offsets are pointer arithmetic). Requests outside a planned step go to a
+small cache of 512-byte blocks over ``cudaMalloc``/``cudaFree``, taken from the CUDA runtime
+PyTorch loaded.
+
+Why not ``torch.cuda.MemPool(allocator=...)`` scoped to the step: a pool's allocator is asked
+for *segments* (``allocPrimitive`` in ``c10/cuda/CUDACachingAllocator.cpp`` calls its
+``raw_alloc`` with the caching allocator's segment size: 2 MiB for requests up to 1 MiB, 20 MiB
+up to 10 MiB, else rounded to 2 MiB), and the caching allocator splits and caches blocks inside
+them itself; freed tensors never reach the pool's allocator. A per-allocation plan cannot be
+replayed there. So the planned allocator must be PyTorch's CUDA allocator itself
+(``change_current_allocator``), which PyTorch allows only before the first CUDA allocation:
+:func:`install` is an explicit, opt-in call at the start of a program, and it is scoped to the
+planned step in the sense that matters: outside :class:`~memplan.torch.run.replay.ReplayedStep`'s
+record/replay windows every request passes through to the cache.
+
+Never loaded without CUDA: importing this module loads nothing; :func:`install` refuses with one
+line when ``torch.cuda.is_available()`` is false, and :func:`runtime_choice` then keeps arena
+views and says why. Tests drive the compiled state machine on the CPU through :func:`build`
+(compile only) and ctypes, with host functions standing in for ``cudaMalloc``/``cudaFree``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from memplan.errors import MemplanError
+from memplan.torch.run.allocator import (
+    CSRC,
+    CUDA_ALIGNMENT_BYTES,
+    AllocatorUnavailable,
+    NativeReplay,
+    build_library,
+    declare_replay_api,
+)
+
+SOURCE = CSRC / "cuda_planned_allocator.cpp"
+LIBRARY_NAME = "cuda_planned_allocator"
+MALLOC_SYMBOL = "mp_cuda_malloc"
+FREE_SYMBOL = "mp_cuda_free"
+INSTALL_HINT = "call memplan.torch.run.cuda_allocator.install() before the first CUDA tensor"
+
+_installed: CudaReplay | None = None
+
+
+@dataclass(frozen=True)
+class CudaMemoryStats:
+    """What the planned CUDA allocator holds (its own counters: PyTorch keeps none for a
+    pluggable allocator). ``held``/``peak_held`` stand for ``memory_reserved`` /
+    ``max_memory_reserved`` (bytes taken from cudaMalloc), ``in_use``/``peak_in_use`` for
+    ``memory_allocated``/``max_memory_allocated`` (blocks handed out, the arena counted whole)."""
+
+    held: int
+    peak_held: int
+    in_use: int
+    peak_in_use: int
+    raw_allocations: int
+
+
+def build() -> Path:
+    """Compile the library (no CUDA needed) and return its path; raises :class:`AllocatorUnavailable`."""
+    return build_library(SOURCE, LIBRARY_NAME, [], [])
+
+
+def declare_cuda_api(lib: ctypes.CDLL) -> None:
+    """Argument and result types of the library's C interface."""
+    declare_replay_api(lib)
+    lib.mp_cuda_set_raw.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    lib.mp_cuda_set_raw.restype = None
+    lib.mp_cuda_set_device.argtypes = [ctypes.c_int]
+    lib.mp_cuda_set_device.restype = None
+    lib.mp_cuda_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    lib.mp_cuda_malloc.restype = ctypes.c_void_p
+    lib.mp_cuda_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    lib.mp_cuda_free.restype = None
+    lib.mp_cuda_empty_cache.restype = None
+    lib.mp_cuda_memory_stats.argtypes = [ctypes.POINTER(ctypes.c_int64)]
+    lib.mp_cuda_memory_stats.restype = None
+    lib.mp_cuda_reset_peaks.restype = None
+
+
+class CudaReplay(NativeReplay):
+    """:class:`NativeReplay` over the CUDA library, with its memory counters. Its first replay of
+    every plan is verified against PyTorch's allocator: no GPU was lent where it was written."""
+
+    verify_first_replay = True
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        super().__init__(lib, CUDA_ALIGNMENT_BYTES)
+
+    def release_free_memory(self) -> None:
+        """Give the cached (free) blocks back to the device."""
+        self.lib.mp_cuda_empty_cache()
+
+    def memory_stats(self) -> CudaMemoryStats:
+        values = (ctypes.c_int64 * 5)()
+        self.lib.mp_cuda_memory_stats(values)
+        return CudaMemoryStats(*values)
+
+    def reset_peaks(self) -> None:
+        self.lib.mp_cuda_reset_peaks()
+
+
+def install(device: int | None = None) -> CudaReplay:
+    """Make the planned CUDA allocator PyTorch's CUDA allocator for this process (opt-in).
+
+    Call it before the first CUDA tensor; afterwards :func:`memplan.compile_step` on a model on
+    the GPU records and replays its steps (``allocator="auto"`` or ``"replay"``). Raises
+    :class:`AllocatorUnavailable` with one line when CUDA is absent, no compiler is found, the
+    CUDA runtime library is not loaded, or PyTorch's allocator was already used.
+    """
+    global _installed
+    if _installed is not None:
+        return _installed
+    if not torch.cuda.is_available():
+        raise AllocatorUnavailable("CUDA is not available: the planned CUDA allocator is not loaded")
+    if torch.cuda.is_initialized():
+        raise AllocatorUnavailable(f"CUDA is already initialised, with PyTorch's allocator; {INSTALL_HINT}")
+    path = build()
+    lib = ctypes.CDLL(str(path))
+    declare_cuda_api(lib)
+    runtime = _cuda_runtime()
+    # nothing here may initialise CUDA (torch.cuda.current_device() would, and PyTorch then
+    # refuses to swap its allocator): the device is asked for once the swap is done
+    lib.mp_cuda_set_raw(_address(runtime.cudaMalloc), _address(runtime.cudaFree), -1)
+    pluggable = torch.cuda.memory.CUDAPluggableAllocator(str(path), MALLOC_SYMBOL, FREE_SYMBOL)
+    try:
+        torch.cuda.memory.change_current_allocator(pluggable)
+    except RuntimeError as error:
+        raise AllocatorUnavailable(
+            f"PyTorch's CUDA allocator is already in use ({str(error).splitlines()[0]}); {INSTALL_HINT}"
+        ) from None
+    lib.mp_cuda_set_device(torch.cuda.current_device() if device is None else device)
+    _installed = CudaReplay(lib)
+    return _installed
+
+
+def installed() -> bool:
+    return _installed is not None
+
+
+def native() -> CudaReplay:
+    """The installed planned CUDA allocator; raises :class:`AllocatorUnavailable` otherwise."""
+    if _installed is None:
+        raise AllocatorUnavailable(f"the planned CUDA allocator is not installed; {INSTALL_HINT}")
+    return _installed
+
+
+def release_free_memory() -> None:
+    """Cached free CUDA blocks back to the device (ours when installed, else PyTorch's)."""
+    if _installed is not None:
+        _installed.release_free_memory()
+    elif torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def runtime_choice(requested: str) -> tuple[str, str]:
+    """The allocator mode a step on a CUDA device runs in, and one line saying why."""
+    if not torch.cuda.is_available():
+        return "views", "CUDA is not available: the planned CUDA allocator is not loaded; arena views"
+    if requested == "views":
+        return "views", "allocator='views' requested"
+    if _installed is not None:
+        return "replay", "the planned CUDA allocator (CUDAPluggableAllocator) records and replays the step"
+    if requested == "replay":
+        raise MemplanError(f"allocator='replay' on CUDA needs the planned CUDA allocator; {INSTALL_HINT}")
+    return "views", f"the planned CUDA allocator is not installed ({INSTALL_HINT}); arena views"
+
+
+def _cuda_runtime() -> ctypes.CDLL:
+    """The CUDA runtime library PyTorch loaded (its cudaMalloc and cudaFree serve our cache)."""
+    for path in _loaded_libraries():
+        if "libcudart" in Path(path).name:
+            return ctypes.CDLL(path)
+    for name in ("libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise AllocatorUnavailable("the CUDA runtime library (libcudart) is not loaded in this process")
+
+
+def _loaded_libraries() -> list[str]:
+    try:
+        with open("/proc/self/maps") as maps:
+            return sorted({line.split()[-1] for line in maps if ".so" in line})
+    except OSError:
+        return []
+
+
+def _address(function: ctypes._CFuncPtr) -> int:
+    return ctypes.cast(function, ctypes.c_void_p).value or 0
