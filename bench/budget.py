@@ -63,6 +63,9 @@ def row(r: dict[str, Any]) -> str:
     b = r["budget"]
     rss = f"{r['child_max_rss_bytes'] / MIB:.0f}" if r.get("child_max_rss_bytes") else "n/a"
     how = f"{b['method']}, {b['recomputed_ops']} recomputed" if b["method"] == "remat" else "reorder only"
+    replans = len(b.get("placement_rounds") or ()) - 1
+    if replans > 0:
+        how += f", re-planned {replans}x: placed arena over budget"
     return (
         f"| {r['model']} | {b['budget_bytes'] / MIB:.1f} | {b['measured_peak_bytes'] / MIB:.1f} "
         f"({'within' if b['within_budget'] else 'OVER'}) | {r['eager']['peak_bytes'] / MIB:.1f} | {rss} | "
@@ -80,7 +83,8 @@ def write(reports: list[dict[str, Any]], path: Path, argv: list[str]) -> None:
         "workspace counted). Measured peak: resident parameters, optimizer state, batch and arena plus the CPU "
         "allocator's peak in one steady step; child max RSS: the whole process (eager and memplan runs, Python "
         "and torch). Overhead: planned extra compute (FLOPs) of the recomputation; step time: measured, same "
-        "process.",
+        "process. When the placed arena of a plan comes out above the budget (fragmentation above the live bytes "
+        "the remat solver bounds), the step is re-planned with the budget lowered by the excess (`re-planned`).",
         "",
         "| model | budget MiB | measured peak MiB | eager peak MiB | child max RSS MiB | compute overhead "
         "| step time memplan/eager | max abs diff | command |",
