@@ -50,7 +50,7 @@ def run_model(model: str, batch: int, budget: str, steps: int, time_limit: float
         rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         if not out.exists():
             lines = (done.stderr or done.stdout).strip().splitlines() or ["no output"]
-            return {"model": model, "command": " ".join(args), "error": lines[-1][:300]}
+            return {"model": model, "command": " ".join(args), "error": lines[-1][:600]}
         report = json.loads(out.read_text())
     report.update(command=" ".join(args), wall_seconds=round(seconds, 1))
     report["child_max_rss_bytes"] = rss * 1024 if rss > before else None  # ru_maxrss is KiB on Linux
