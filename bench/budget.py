@@ -9,6 +9,7 @@ maximum RSS (both runs, Python and torch included) is reported as the process-le
 A model that does not finish within the timeout is listed with the exact command to run it.
 
     python bench/budget.py --out bench/results/budget.md
+    python bench/budget.py --models vgg16 --budget 0.75 --append   # rows at another budget, same table
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def run_model(model: str, batch: int, budget: str, steps: int, time_limit: float
         rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         if not out.exists():
             lines = (done.stderr or done.stdout).strip().splitlines() or ["no output"]
-            return {"model": model, "command": " ".join(args), "error": lines[-1][:300]}
+            return {"model": model, "command": " ".join(args), "error": lines[-1][:600]}
         report = json.loads(out.read_text())
     report.update(command=" ".join(args), wall_seconds=round(seconds, 1))
     report["child_max_rss_bytes"] = rss * 1024 if rss > before else None  # ru_maxrss is KiB on Linux
@@ -63,6 +64,9 @@ def row(r: dict[str, Any]) -> str:
     b = r["budget"]
     rss = f"{r['child_max_rss_bytes'] / MIB:.0f}" if r.get("child_max_rss_bytes") else "n/a"
     how = f"{b['method']}, {b['recomputed_ops']} recomputed" if b["method"] == "remat" else "reorder only"
+    replans = len(b.get("placement_rounds") or ()) - 1
+    if replans > 0:
+        how += f", re-planned {replans}x: placed arena over budget"
     return (
         f"| {r['model']} | {b['budget_bytes'] / MIB:.1f} | {b['measured_peak_bytes'] / MIB:.1f} "
         f"({'within' if b['within_budget'] else 'OVER'}) | {r['eager']['peak_bytes'] / MIB:.1f} | {rss} | "
@@ -71,16 +75,19 @@ def row(r: dict[str, Any]) -> str:
     )
 
 
-def write(reports: list[dict[str, Any]], path: Path, argv: list[str]) -> None:
+def write(reports: list[dict[str, Any]], path: Path) -> None:
+    """The table of ``reports``, under the bench command(s) that made them (``--append``: several)."""
+    commands = dict.fromkeys(f"`python bench/budget.py {' '.join(r['bench_args'])}`" for r in reports)
     lines = [
         "# Remat in the main path: `memplan run MODEL --budget`",
         "",
-        f"`python bench/budget.py {' '.join(argv)}`; 2-core shared CPU machine, noisy timings: rerun on a quiet "
+        f"{'; then '.join(commands)}; 2-core shared CPU machine, noisy timings: rerun on a quiet "
         "machine. Budget: a fraction of the checkpoint-all peak (the step that keeps every activation, kernel "
         "workspace counted). Measured peak: resident parameters, optimizer state, batch and arena plus the CPU "
         "allocator's peak in one steady step; child max RSS: the whole process (eager and memplan runs, Python "
         "and torch). Overhead: planned extra compute (FLOPs) of the recomputation; step time: measured, same "
-        "process.",
+        "process. When the placed arena of a plan comes out above the budget (fragmentation above the live bytes "
+        "the remat solver bounds), the step is re-planned with the budget lowered by the excess (`re-planned`).",
         "",
         "| model | budget MiB | measured peak MiB | eager peak MiB | child max RSS MiB | compute overhead "
         "| step time memplan/eager | max abs diff | command |",
@@ -104,12 +111,14 @@ def main() -> None:
         "--timeout", type=float, default=1800.0, help="Seconds per model before it is listed as not run."
     )
     parser.add_argument("--out", type=Path, default=Path("bench/results/budget.md"))
+    parser.add_argument("--append", action="store_true", help="Add the rows to those of --out's .json.")
     args = parser.parse_args()
-    reports = []
+    reports = json.loads(args.out.with_suffix(".json").read_text()) if args.append else []
     for model in args.models:
         reports.append(run_model(model, args.batch, args.budget, args.steps, args.time_limit, args.timeout))
+        reports[-1]["bench_args"] = sys.argv[1:]
         print(row(reports[-1]), flush=True)
-        write(reports, args.out, sys.argv[1:])
+        write(reports, args.out)
 
 
 if __name__ == "__main__":

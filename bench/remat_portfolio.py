@@ -244,8 +244,9 @@ def main() -> None:
         results.append(run_graph(name, kind, graph, budgets, args.time_limit, solvers))
         out.with_suffix(".json").write_text(json.dumps(results, indent=1))
     command = "python bench/remat_portfolio.py " + " ".join(sys.argv[1:])
+    subset = f" (subset: {args.only} only)" if args.only else ""
     lines = [
-        "# Rematerialisation on whole graphs: MILP, CP model, portfolio",
+        f"# Rematerialisation on whole graphs: MILP, CP model, portfolio{subset}",
         "",
         f"Regenerate: `{command.strip()}` (2-core CPU machine; the graphs are written by "
         "`python bench/remat_graphs.py`). Cells: compute overhead over one plain step (cost = FLOPs, "

@@ -371,7 +371,7 @@ class CompiledStep:
         """The runner within ``memory_budget``/``max_overhead`` (:mod:`memplan.torch.run.budget`):
         the reordered, placed plan when it fits, else the remat portfolio's plan run by
         :class:`RematRunner` (with the planned allocator, every allocation at a static offset)."""
-        from memplan.torch.run.budget import check_remat_supported, plan_budget
+        from memplan.torch.run.budget import BudgetedReplay, check_remat_supported, plan_budget
         from memplan.torch.run.remat import RematRunner
 
         check_remat_supported(capture, self.optimizers, self.scaler)
@@ -387,8 +387,11 @@ class CompiledStep:
             joint_reorder=self.reorder,
         )
         plan.report["budget"] = decided.report
-        if decided.schedule is None:
-            runner: StepRunner | ReplayedStep = StepRunner(
+
+        def make_runner(schedule: Any) -> StepRunner:
+            if schedule is not None:
+                return RematRunner(capture, schedule.steps, self.model, self.optimizers[0])
+            return StepRunner(
                 capture,
                 Plan(tuple(plan.order))
                 if self.allocator == "replay"
@@ -397,16 +400,20 @@ class CompiledStep:
                 self.optimizers,
                 executor=self.executor,
             )
-        else:
-            runner = RematRunner(capture, decided.schedule.steps, self.model, self.optimizers[0])
-        if self.allocator == "replay":
-            return ReplayedStep(
-                runner,
+
+        if self.allocator == "replay":  # the placed arena is held to the budget
+            persistent = int(plan.report["persistent_bytes"])
+            return BudgetedReplay(
+                decided,
+                make_runner,
+                persistent,
+                decided.report,
                 time_limit_seconds=self.time_limit_seconds,
                 arena=self.arena,
                 native=self._native,
                 schedulers=self.schedulers,
             )
+        runner = make_runner(decided.schedule)
         self._own_arena.add(id(runner))
         return runner
 

@@ -241,3 +241,66 @@ def test_accumulation_clipping_and_a_scheduler_under_a_budget_train_like_eager()
         assert all(torch.equal(a, b) for a, b in zip(_state(eager), _state(model), strict=True))
     assert step.report["budget"]["recomputed_ops"] > 0
     assert opt.param_groups[0]["lr"] == eager_opt.param_groups[0]["lr"]
+
+
+def _padded_step(monkeypatch: pytest.MonkeyPatch, pad_bytes: int, model: torch.nn.Module, opt, batch):
+    """``compile_step`` at 0.75 with the planned allocator, each of whose placements is a valid
+    one that wastes ``pad_bytes`` at the arena's start: an arena above the most bytes live at
+    once, as fragmentation makes it. Returns the step and its runner."""
+    from dataclasses import replace
+
+    import memplan.torch.run.replay as replay
+    from memplan.placement import place
+
+    def padded(problem, **options):
+        solved = place(problem, **options)
+        offsets = tuple(o + pad_bytes for o in solved.offsets_bytes)
+        return replace(solved, offsets_bytes=offsets, arena_bytes=solved.arena_bytes + pad_bytes)
+
+    monkeypatch.setattr(replay, "place", padded)
+    loss = torch.nn.functional.cross_entropy
+    step = memplan.compile_step(model, opt, loss, batch, memory_budget=0.75, allocator="replay", time_limit_seconds=2)
+    return step, step.runners[next(iter(step.runners))]
+
+
+def test_a_placed_arena_over_the_budget_is_planned_again_tighter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The remat plan's live bytes fit, its placed arena does not: the step is re-planned with
+    the budget lowered by the excess, replays within the budget, and trains bit for bit."""
+    model = _mlp()
+    model.train()
+    eager = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1, momentum=0.9)
+    batch = _batch("mlp")
+    step, runner = _padded_step(monkeypatch, 64 * 1024, model, opt, batch)
+    for k in range(runner.max_recording_steps):
+        torch.manual_seed(100 + k)
+        expected = _eager_step(eager, eager_opt, batch)
+        torch.manual_seed(100 + k)
+        assert torch.equal(expected, step(batch))
+        assert all(torch.equal(a, b) for a, b in zip(_state(eager), _state(model), strict=True))
+        if runner.replaying and runner.last_stats is not None:
+            break
+    report = step.report["budget"]
+    rounds = report["placement_rounds"]
+    assert runner.replaying and len(rounds) >= 2, rounds
+    assert rounds[0]["planned_peak_bytes"] <= report["budget_bytes"] < rounds[0]["placed_peak_bytes"]
+    assert rounds[-1]["solve_bytes"] < rounds[0]["solve_bytes"]
+    assert report["placed_peak_bytes"] == rounds[-1]["placed_peak_bytes"] <= report["budget_bytes"]
+    assert report["planned_peak_bytes"] == rounds[-1]["planned_peak_bytes"]  # the report is the plan that runs
+    resident = resident_bytes(_state(model), optimizer_state_tensors(opt), batch, runner.arena)
+    _, allocated = allocator_peak_bytes(step, batch)
+    assert runner.last_stats.diverged_at is None
+    assert resident + allocated <= report["budget_bytes"], (resident, allocated, report)
+
+
+def test_a_budget_no_placed_plan_meets_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _mlp()
+    batch = _batch("mlp")
+    step, runner = _padded_step(monkeypatch, 2**20, model, torch.optim.SGD(model.parameters(), lr=0.1), batch)
+    with pytest.raises(InfeasibleBudget) as err:
+        for _ in range(runner.max_recording_steps):
+            step(batch)
+    message = str(err.value)
+    assert "\n" not in message and "once its arena is placed" in message and "raise memory_budget" in message
+    assert not runner.replaying

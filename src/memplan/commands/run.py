@@ -86,6 +86,10 @@ def print_budget(report: dict[str, Any], console: Console) -> None:
         if b["method"] == "remat"
         else "reordering and placement fit: nothing recomputed"
     )
+    rounds = b.get("placement_rounds") or []
+    if len(rounds) > 1:
+        excess = format_bytes(rounds[0]["placed_peak_bytes"] - budget_bytes)
+        how += f"; re-planned {len(rounds) - 1}x: the first placed arena was {excess} over the budget"
     ratio = "n/a" if b["step_time_ratio"] is None else f"{b['step_time_ratio']:.2f}"
     console.print(
         f"plan: {how}; planned peak {format_bytes(b['planned_peak_bytes'])} (checkpoint-all "

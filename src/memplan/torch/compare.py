@@ -136,7 +136,8 @@ def compare_with_eager(
         k += 1
 
     # the planned allocator records steps until their allocations repeat (untimed), then replays
-    while not (getattr(runner, "replaying", True) and getattr(twin, "replaying", True)) and k < MAX_RECORDINGS:
+    recordings = getattr(runner, "max_recording_steps", MAX_RECORDINGS)  # a budgeted step may re-plan
+    while not (getattr(runner, "replaying", True) and getattr(twin, "replaying", True)) and k < recordings:
         compared_step(timed=False)
     for _ in range(steps):
         compared_step()

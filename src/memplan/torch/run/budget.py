@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +35,10 @@ import torch
 from memplan.errors import InfeasibleBudget, MemplanError
 from memplan.report.format import format_bytes
 from memplan.torch.capture import Capture
+from memplan.torch.run.allocator import AllocationTrace, NativeReplay
+from memplan.torch.run.arena import SharedArena
 from memplan.torch.run.profile import _measure_workspace, _ProfilingRunner
+from memplan.torch.run.replay import MAX_RECORDINGS, ReplayedStep
 
 UNITS = {
     "": 1,
@@ -121,10 +125,24 @@ def check_remat_supported(capture: Capture, optimizers: list[Any], scaler: Any) 
 @dataclass
 class BudgetPlan:
     """What :func:`plan_budget` decided: ``schedule`` is the remat plan to run (``None``: the
-    reordered and placed plan fits, nothing is recomputed) and ``report`` says why."""
+    reordered and placed plan fits, nothing is recomputed) and ``report`` says why.
+    ``solve_bytes``: the byte budget the remat solver was given (the user's, or one tightened
+    by :func:`tighten_budget`); ``context``: what a re-solve needs."""
 
     schedule: Any
     report: dict[str, Any] = field(default_factory=dict)
+    solve_bytes: int | None = None
+    context: _SolveContext | None = None
+
+
+@dataclass(frozen=True)
+class _SolveContext:
+    graph: Any
+    workspace: tuple[int, ...]
+    reference: int
+    reorder: bool
+    time_limit_seconds: float
+    max_overhead: float | None
 
 
 def plan_budget(
@@ -144,7 +162,7 @@ def plan_budget(
     of the reordered, placed step without recomputation. ``joint_reorder``: let the remat
     solver also move first runs later (only for steps without random ops: their draws keep
     program order)."""
-    from memplan.remat import solve_remat, solve_remat_within_overhead
+    from memplan.remat import solve_remat_within_overhead
     from memplan.remat.baselines import checkpoint_all
     from memplan.remat.problem import RematProblem, is_random
 
@@ -154,6 +172,8 @@ def plan_budget(
     reference = checkpoint_all(RematProblem(graph, 10**18, workspace=workspace)).peak_bytes
     budget_bytes = parse_memory_budget(memory_budget, reference) if memory_budget is not None else None
     scratch = max(workspace, default=0)
+    reorder = joint_reorder and not any(is_random(op.kind) for op in graph.ops)
+    context = _SolveContext(graph, tuple(workspace), reference, reorder, time_limit_seconds, max_overhead)
     report: dict[str, Any] = {
         "memory_budget": memory_budget,
         "budget_bytes": budget_bytes,
@@ -163,43 +183,55 @@ def plan_budget(
         "workspace_bytes_max": scratch,
     }
     if budget_bytes is not None and plain_peak_bytes + scratch <= budget_bytes:
-        return BudgetPlan(
-            None,
-            {
-                **report,
-                "method": "reorder",
-                "planned_peak_bytes": plain_peak_bytes + scratch,
-                "overhead": 0.0,
-                "status": "optimal",
-                "recomputed_ops": 0,
-            },
-        )
-    reorder = joint_reorder and not any(is_random(op.kind) for op in graph.ops)
+        return BudgetPlan(None, {**report, **_reorder_only(plain_peak_bytes + scratch, "optimal")}, None, context)
     if budget_bytes is None:
         schedule = solve_remat_within_overhead(graph, float(max_overhead), time_limit_seconds, workspace=workspace)  # type: ignore[arg-type]
-    else:
-        schedule = solve_remat(graph, budget_bytes, time_limit_seconds, workspace=workspace, reorder=reorder)
-        if not schedule.feasible:
-            raise InfeasibleBudget(_infeasible_message(graph, budget_bytes, reference, schedule, workspace))
-        if max_overhead is not None and schedule.overhead > max_overhead + 1e-12:
-            raise InfeasibleBudget(
-                f"the cheapest plan within memory_budget {format_bytes(budget_bytes)} recomputes "
-                f"+{100 * schedule.overhead:.1f}% compute, above max_overhead={max_overhead:g}: raise memory_budget "
-                "or max_overhead"
-            )
-    recomputed = len([s for s in schedule.steps if s[0] == "run"]) - len({i for k, i in schedule.steps if k == "run"})
-    if not recomputed and (budget_bytes is None or plain_peak_bytes + scratch <= budget_bytes):
-        return BudgetPlan(
-            None,
-            {
-                **report,
-                "method": "reorder",
-                "planned_peak_bytes": plain_peak_bytes + scratch,
-                "overhead": 0.0,
-                "status": schedule.status,
-                "recomputed_ops": 0,
-            },
+        return _decided(schedule, report, plain_peak_bytes + scratch, None, context)
+    return _solve_within(context, report, budget_bytes, plain_peak_bytes + scratch)
+
+
+def _reorder_only(peak_bytes: int, status: str) -> dict[str, Any]:
+    return {
+        "method": "reorder",
+        "planned_peak_bytes": peak_bytes,
+        "overhead": 0.0,
+        "status": status,
+        "recomputed_ops": 0,
+    }
+
+
+def _solve_within(
+    context: _SolveContext, report: dict[str, Any], solve_bytes: int, plain_peak: int | None
+) -> BudgetPlan:
+    """The portfolio's cheapest plan within ``solve_bytes``; ``plain_peak``: the reordered
+    plan's peak, run instead when the plan recomputes nothing and it fits (``None``: never)."""
+    from memplan.remat import solve_remat
+
+    graph, budget_bytes = context.graph, report["budget_bytes"]
+    schedule = solve_remat(
+        graph, solve_bytes, context.time_limit_seconds, workspace=context.workspace, reorder=context.reorder
+    )
+    if not schedule.feasible:
+        raise InfeasibleBudget(
+            _infeasible_message(graph, solve_bytes, context.reference, schedule, context.workspace, budget_bytes)
         )
+    if context.max_overhead is not None and schedule.overhead > context.max_overhead + 1e-12:
+        raise InfeasibleBudget(
+            f"the cheapest plan within memory_budget {format_bytes(budget_bytes)} recomputes "
+            f"+{100 * schedule.overhead:.1f}% compute, above max_overhead={context.max_overhead:g}: raise "
+            "memory_budget or max_overhead"
+        )
+    fits = plain_peak is not None and plain_peak <= solve_bytes
+    return _decided(schedule, report, plain_peak if fits else None, solve_bytes, context)
+
+
+def _decided(
+    schedule: Any, report: dict[str, Any], plain_peak: int | None, solve_bytes: int | None, context: _SolveContext
+) -> BudgetPlan:
+    """The remat plan, or the reordered plan (``plain_peak`` given) when it recomputes nothing."""
+    recomputed = len([s for s in schedule.steps if s[0] == "run"]) - len({i for k, i in schedule.steps if k == "run"})
+    if not recomputed and plain_peak is not None:
+        return BudgetPlan(None, {**report, **_reorder_only(plain_peak, schedule.status)}, solve_bytes, context)
     return BudgetPlan(
         schedule,
         {
@@ -210,15 +242,122 @@ def plan_budget(
             "status": schedule.status,
             "gap": schedule.gap,
             "from": schedule.details.get("from"),
-            "joint_reorder": reorder,
+            "joint_reorder": context.reorder,
             "solve_seconds": round(schedule.seconds, 3),
             "recomputed_ops": recomputed,
         },
+        solve_bytes,
+        context,
     )
 
 
-def _infeasible_message(graph: Any, budget_bytes: int, reference: int, schedule: Any, workspace: tuple) -> str:
-    """One line: the budget, the smallest peak known to be reachable, and what to do."""
+def tighten_budget(decided: BudgetPlan, excess_bytes: int) -> BudgetPlan:
+    """Re-plan with the solver's budget lowered by ``excess_bytes``: what the placed arena of
+    ``decided``'s step needed beyond the budget (the arena's fragmentation above the live-bytes
+    peak the solver counts, OLLA eq. 6 vs eq. 1). Raises :class:`InfeasibleBudget` in one line
+    when no plan is found within the tighter budget."""
+    if decided.context is None or decided.report.get("budget_bytes") is None:
+        raise MemplanError("only a plan made for a memory_budget can be tightened")
+    base = decided.solve_bytes if decided.solve_bytes is not None else decided.report["budget_bytes"]
+    report = {k: v for k, v in decided.report.items() if k in _INPUT_KEYS}
+    return _solve_within(decided.context, report, base - max(1, excess_bytes), None)
+
+
+_INPUT_KEYS = (
+    "memory_budget",
+    "budget_bytes",
+    "max_overhead",
+    "checkpoint_all_peak_bytes",
+    "plain_planned_peak_bytes",
+    "workspace_bytes_max",
+)
+
+
+MAX_TIGHTENINGS = 3  # re-plans after the placed arena came out above the budget
+
+
+class BudgetedReplay(ReplayedStep):
+    """A :class:`ReplayedStep` that holds its placed step to ``memory_budget``.
+
+    The remat solver bounds the live bytes at each moment (Checkmate's memory constraint);
+    the planned allocator then places the recorded allocations in one arena, which may be
+    larger than the most bytes live at once (fragmentation, OLLA eq. 6 vs eq. 1). Once a
+    recording is placed, the step's peak as measured (persistent bytes, the arena, and the
+    allocations outliving the step, served outside it) is checked against the budget; when
+    over, the step is planned again with the solver's budget lowered by the excess
+    (:func:`tighten_budget`) and recorded again, at most :data:`MAX_TIGHTENINGS` times, and
+    refused in one line (:class:`InfeasibleBudget`) if still over. No step is replayed over
+    the budget. ``make_runner(schedule)`` builds the runner of a plan; ``report`` (the plan's
+    ``budget`` report) is updated in place with the plan that runs and each placement round.
+    """
+
+    max_recording_steps = MAX_RECORDINGS * (MAX_TIGHTENINGS + 1)
+
+    def __init__(
+        self,
+        decided: BudgetPlan,
+        make_runner: Callable[[Any], Callable[[Any], Any]],
+        persistent_bytes: int,
+        report: dict[str, Any],
+        *,
+        time_limit_seconds: float = 5.0,
+        arena: SharedArena | None = None,
+        native: NativeReplay | None = None,
+        schedulers: Sequence[Any] = (),
+    ) -> None:
+        super().__init__(
+            make_runner(decided.schedule),
+            time_limit_seconds=time_limit_seconds,
+            arena=arena,
+            native=native,
+            schedulers=schedulers,
+        )
+        self.decided = decided
+        self.make_runner = make_runner
+        self.persistent_bytes = persistent_bytes
+        self.report = report
+        self.report["placement_rounds"] = []
+
+    def _plan(self, trace: AllocationTrace) -> None:
+        super()._plan(trace)
+        assert self.plan is not None and self.placement is not None
+        budget = self.decided.report["budget_bytes"]
+        outside = sum(size for size, end in zip(trace.sizes, trace.free_at, strict=True) if end is None)
+        placed = self.persistent_bytes + self.plan.arena_bytes + outside
+        rounds = self.report["placement_rounds"]
+        rounds.append(
+            {
+                "solve_bytes": self.decided.solve_bytes,
+                "planned_peak_bytes": self.decided.report["planned_peak_bytes"],
+                "arena_bytes": self.plan.arena_bytes,
+                "arena_lower_bound_bytes": self.placement.lower_bound_bytes,
+                "placed_peak_bytes": placed,
+            }
+        )
+        self.report["placed_peak_bytes"] = placed
+        if budget is None or placed <= budget:
+            return
+        self.plan = self.placement = self._previous = None
+        self.shared.release()
+        if len(rounds) > MAX_TIGHTENINGS:
+            raise InfeasibleBudget(
+                f"memory_budget {format_bytes(budget)}: the placed step still needs {format_bytes(placed)} "
+                f"(persistent {format_bytes(self.persistent_bytes)}, arena {format_bytes(rounds[-1]['arena_bytes'])} "
+                f"for {format_bytes(rounds[-1]['arena_lower_bound_bytes'])} live at most) after {MAX_TIGHTENINGS} "
+                f"re-plans with the budget lowered by the placement's excess: raise memory_budget to at least "
+                f"{format_bytes(placed)} or give more time_limit_seconds"
+            )
+        self.decided = tighten_budget(self.decided, placed - budget)
+        self.report.update(self.decided.report)
+        self.run = self.make_runner(self.decided.schedule)
+        self.recordings = 0
+
+
+def _infeasible_message(
+    graph: Any, budget_bytes: int, reference: int, schedule: Any, workspace: tuple, user_bytes: int | None = None
+) -> str:
+    """One line: the budget, the smallest peak known to be reachable, and what to do.
+    ``user_bytes``: the user's budget when ``budget_bytes`` is one tightened for placement."""
     from memplan.remat.baselines import BASELINES
     from memplan.remat.problem import RematProblem
 
@@ -227,11 +366,18 @@ def _infeasible_message(graph: Any, budget_bytes: int, reference: int, schedule:
     lowest = min([reference, *reached])
     floor = int(schedule.details.get("floor_bytes") or 0)
     proof = "no plan exists (proven)" if schedule.status == "infeasible" else "no plan found in the time limit"
+    placing = 0 if user_bytes is None else max(0, user_bytes - budget_bytes)
+    head = f"memory_budget {format_bytes(budget_bytes)} is below what this step can reach: {proof}"
+    if placing:
+        head = (
+            f"memory_budget {format_bytes(user_bytes)} is below what this step can reach once its arena is placed: "  # type: ignore[arg-type]
+            f"the placement needs {format_bytes(placing)} above the live bytes, and within "
+            f"{format_bytes(budget_bytes)} of live bytes {proof}"
+        )
     return (
-        f"memory_budget {format_bytes(budget_bytes)} is below what this step can reach: {proof}; the smallest peak "
-        f"found is {format_bytes(lowest)} (no plan goes below {format_bytes(floor)}, checkpoint-all needs "
-        f"{format_bytes(reference)}): raise memory_budget to at least {format_bytes(lowest)}, lower the batch size, "
-        "or give more time_limit_seconds"
+        f"{head}; the smallest peak found is {format_bytes(lowest)} (no plan goes below {format_bytes(floor)}, "
+        f"checkpoint-all needs {format_bytes(reference)}): raise memory_budget to at least "
+        f"{format_bytes(lowest + placing)}, lower the batch size, or give more time_limit_seconds"
     )
 
 
@@ -260,10 +406,13 @@ class _WorkspaceRunner(_ProfilingRunner):
 
 
 __all__ = [
+    "MAX_TIGHTENINGS",
     "BudgetPlan",
+    "BudgetedReplay",
     "RematUnsupported",
     "check_remat_supported",
     "measure_op_workspace",
     "parse_memory_budget",
     "plan_budget",
+    "tighten_budget",
 ]
