@@ -26,6 +26,10 @@ from memplan.torch.run.allocator import AllocationTrace, ReplayPlan, ReplayStats
 from memplan.torch.run.arena import SharedArena
 
 MAX_RECORDINGS = 4
+# A step that allocates otherwise than the plan (a GradScaler step that skips the update, an
+# occasional other branch) finishes on the base allocator; the plan is kept for the steps after
+# it, and recorded again only when this many steps in a row diverge.
+REPLAN_AFTER_DIVERGED = 2
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,8 @@ class ReplayedStep:
     step records (the recording runs on the ordinary allocator, and the process should not hold
     both) and reserved at the plan's size when it replays. ``last_stats`` says what the latest
     replayed step did; a step whose allocations differ from the recording is still correct (the
-    rest goes to the allocator) and is recorded again next time.
+    rest goes to the allocator); after ``REPLAN_AFTER_DIVERGED`` such steps in a row the step is
+    recorded again.
     """
 
     def __init__(
@@ -77,6 +82,7 @@ class ReplayedStep:
         self.last_stats: ReplayStats | None = None
         self.recordings = 0
         self._previous: AllocationTrace | None = None
+        self.diverged_in_a_row = 0
 
     def __call__(self, batch: Any) -> Any:
         if self.plan is None:
@@ -94,8 +100,9 @@ class ReplayedStep:
                 f"{stats.arena_alive_after} arena allocation(s) outlived the step, which the recording did not show; "
                 "keep no tensor of the step alive across steps, or run with allocator='views'"
             )
-        if stats.diverged_at is not None:
-            self.plan, self._previous, self.recordings = None, None, 0  # record again
+        self.diverged_in_a_row = self.diverged_in_a_row + 1 if stats.diverged_at is not None else 0
+        if self.diverged_in_a_row >= REPLAN_AFTER_DIVERGED:
+            self.plan, self._previous, self.recordings, self.diverged_in_a_row = None, None, 0, 0  # record again
         return result
 
     @property
