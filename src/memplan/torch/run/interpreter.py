@@ -30,6 +30,7 @@ from memplan.errors import MemplanError
 from memplan.graph.ir import Graph, TensorId
 from memplan.torch.capture import Capture
 from memplan.torch.capture.hf_masks import check_mask_guards
+from memplan.torch.capture.regions import only_params as _only_params
 from memplan.torch.run.constants import bind_constants
 from memplan.torch.run.selfcheck import SelfCheck
 from memplan.torch.run.updates import UpdateGroup, check_optimizers, update_groups
@@ -642,24 +643,6 @@ def _as_list(value: Any) -> list[Any]:
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-@contextlib.contextmanager
-def _only_params(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]):
-    """Let ``optimizer.step()`` see only ``params``, each in its own param group with that
-    group's hyper-parameters (the group dicts are the user's, restored afterwards)."""
-    wanted = {id(p) for p in params}
-    saved_groups = optimizer.param_groups
-    saved_params = [group["params"] for group in saved_groups]
-    try:
-        for group in saved_groups:
-            group["params"] = [p for p in group["params"] if id(p) in wanted]
-        optimizer.param_groups = [group for group in saved_groups if group["params"]]
-        yield
-    finally:
-        for group, group_params in zip(saved_groups, saved_params, strict=True):
-            group["params"] = group_params
-        optimizer.param_groups = saved_groups
 
 
 def _real_out_variant(op: Any, num_outputs: int) -> tuple[Any, tuple[str, ...]]:
