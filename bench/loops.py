@@ -3,11 +3,15 @@ feature on an MLP and on HF BERT and GPT-2 (2 layers each, from configs, random 
 
 Each row runs the same step function eagerly and planned for 3 steps from the same weights and
 seed, compares parameters, gradients, buffers, optimizer/scheduler/scaler state and the random
-generator bit for bit after every step (memplan.torch.loops), then measures one more
-steady-state step of each: the bytes it holds at its peak beyond parameters, optimizer state and
-the batch (the CPU allocator's count during the step; for memplan plus its arena).
+generator bit for bit after every step (memplan.torch.loops), then measures more steady-state
+steps of each: the bytes it holds at its peak beyond parameters, optimizer state and the batch
+(the CPU allocator's count during the step; for memplan plus its arena).
 
-    python bench/loops.py            # writes bench/results/loops.md
+    python bench/loops.py                        # writes bench/results/loops.md
+    python bench/loops.py --models mlp,bert      # some models only (mlp, bert, gpt2)
+    python bench/loops.py --features foreach     # features whose name contains a word
+
+The table is written again after every row, labelled partial until every selected row is in.
 """
 
 from __future__ import annotations
@@ -20,15 +24,28 @@ from pathlib import Path
 from memplan.report.format import format_bytes
 from memplan.torch.loops import FEATURES, bert, gpt2, mlp, run_feature
 
-MODELS = [mlp(width=1024, batch=32), bert(batch=8, seq=128), gpt2(batch=8, seq=128)]
+MODELS = {
+    "mlp": lambda: mlp(width=1024, batch=32),
+    "bert": lambda: bert(batch=8, seq=128),
+    "gpt2": lambda: gpt2(batch=8, seq=128),
+}
+
+
+def _option(name: str, default: str) -> str:
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
 
 
 def main() -> None:
     warnings.filterwarnings("ignore")
-    out = Path(sys.argv[sys.argv.index("--out") + 1]) if "--out" in sys.argv else Path("bench/results/loops.md")
+    out = Path(_option("--out", "bench/results/loops.md"))
+    models = [MODELS[m]() for m in _option("--models", ",".join(MODELS)).split(",")]
+    words = [w for w in _option("--features", "").split(",") if w]
+    features = [f for f in FEATURES.values() if not words or any(w in f.name for w in words)]
+    command = " ".join(["python", "bench/loops.py", *sys.argv[1:]])
     rows, start, works, below = [], time.perf_counter(), 0, 0
-    for spec in MODELS:
-        for feature in FEATURES.values():
+    total = len(models) * len(features)
+    for spec in models:
+        for feature in features:
             r = run_feature(spec, feature, steps=3, measure=True)
             if r.works:
                 works += 1
@@ -40,30 +57,45 @@ def main() -> None:
                 cells = f"**no**: {r.detail} | | | |"
             rows.append(f"| {spec.name} | {feature.name} | {cells} |")
             print(rows[-1], flush=True)
+            seconds = time.perf_counter() - start
+            out.write_text(_table(command, rows, total, works, below, seconds))
+    print(f"wrote {out}")
+
+
+def _table(command: str, rows: list[str], total: int, works: int, below: int, seconds: float) -> str:
+    partial = (
+        [f"**Partial run**: {len(rows)} of {total} rows so far (the table is written after every row).", ""]
+        if len(rows) < total
+        else []
+    )
     lines = [
         "# Training loops: the step-function form against the same function run eagerly",
         "",
-        "`python bench/loops.py`",
+        f"`{command}`",
         "",
-        "Each step function (memplan.torch.loops) runs eagerly and through `memplan.compile` for 3 steps",
-        "from the same weights and seed; after every step parameters, gradients, buffers, optimizer, LR",
-        'scheduler and GradScaler state and the random generator are compared bit for bit ("max abs diff" is',
-        "over the parameters). Peak: the bytes one more steady-state step holds beyond parameters, optimizer",
-        "state and batch, by the CPU allocator's own count (for memplan plus its arena, mapped before the step).",
-        "MLP: 1024 wide, batch 32; BERT and GPT-2: 2 layers, hidden 768, batch 8 x 128 tokens, AdamW.",
-        "The GradScaler rows start at a scale of 2^20, which overflows float16: the first steps are skipped",
-        "(and must be skipped by memplan too), the later ones update.",
+        "Each step function (memplan.torch.loops) runs eagerly and through `memplan.compile` from the same",
+        "weights and seed; after every step parameters, gradients, buffers, optimizer, LR scheduler and",
+        'GradScaler state and the random generator are compared bit for bit ("max abs diff" is over the',
+        "parameters). Peak: the most bytes a step holds beyond parameters, optimizer state and batch, by the",
+        "CPU allocator's own count (counted from its level at the step's start; for memplan plus its arena,",
+        "mapped before the step), over 3 steps after the compared ones, each side drawing the same random",
+        "numbers. memplan's planned allocator records its first steps on the ordinary allocator and then",
+        "replays a placed trace; the compared steps go on (at most 6 more) until it replays, so the measured",
+        "steps are its steady state. MLP: 1024 wide, batch 32; BERT and GPT-2: 2 layers, hidden 768,",
+        "batch 8 x 128 tokens, AdamW. The GradScaler rows start at a scale of 2^20, which overflows",
+        "float16: the first steps are skipped (and must be skipped by memplan too), later ones update, and",
+        "with growth every 2 steps some measured steps skip again.",
         "",
+        *partial,
         f"{works}/{len(rows)} rows train bit for bit like eager; memplan's peak is below eager's on {below}"
-        f" ({time.perf_counter() - start:.0f} s).",
+        f" ({seconds:.0f} s on a shared 2-core machine; the time depends on its load, memory does not).",
         "",
         "| model | loop feature | works | max abs diff | memplan peak | eager peak | memplan / eager |",
         "|---|---|---|---|---|---|---|",
         *rows,
         "",
     ]
-    out.write_text("\n".join(lines))
-    print(f"wrote {out}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

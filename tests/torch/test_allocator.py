@@ -119,3 +119,22 @@ def test_replayed_step_records_until_steady_then_replays():
     assert step.last_stats.served > 0 and step.last_stats.diverged_at is None
     assert all(torch.equal(r, results[0]) for r in results)
     assert step.placement is not None and step.placement.arena_bytes == step.placement.lower_bound_bytes
+
+
+def test_a_step_that_diverges_once_keeps_the_plan():
+    """A GradScaler step that skips its update allocates otherwise: it finishes on the base
+    allocator and the next usual step replays the same plan; two in a row record again."""
+    x, other = torch.randn(96, 96), torch.randn(40, 40)
+    step = ReplayedStep(lambda batch: chain(batch).clone())
+    for _ in range(4):
+        step(x)
+    plan = step.plan
+    assert plan is not None
+    unusual = step(other)
+    assert step.last_stats.diverged_at is not None and step.plan is plan
+    assert torch.equal(unusual, chain(other).clone())
+    step(x)
+    assert step.last_stats.diverged_at is None and step.plan is plan
+    step(other)
+    step(other)
+    assert not step.replaying  # two in a row: recorded again

@@ -145,3 +145,39 @@ def test_rowwise_kernels_written_over_their_input_give_the_same_bits(shape, dim)
                 assert torch.equal(got, expected), (name, i)
         checked.add(name)
     assert checked == INPLACE_ROWWISE
+
+
+@pytest.mark.parametrize(
+    ("dtype", "to", "transposed"),
+    [
+        (torch.float32, torch.float16, False),
+        (torch.float16, torch.float32, True),
+        (torch.float32, torch.bfloat16, True),
+    ],
+)
+def test_arena_to_copy_is_bitwise_aten_to_copy(dtype, to, transposed):
+    """``_to_copy`` (autocast's casts, float16 gradients to float32) written into its arena view."""
+    from memplan.torch.run.interpreter import ARENA_KERNELS
+
+    torch.manual_seed(3)
+    x = (torch.randn(37, 53) * 1e3).to(dtype)
+    x = x.T if transposed else x
+    expected = torch.ops.aten._to_copy.default(x, dtype=to)
+    out = torch.empty_strided(expected.shape, expected.stride(), dtype=to).fill_(float("nan"))
+    kernel = ARENA_KERNELS["aten::_to_copy"]
+    assert kernel.applies((x,), {"dtype": to, "layout": torch.strided, "device": torch.device("cpu")})
+    assert not kernel.applies((x,), {"dtype": to, "pin_memory": True})
+    assert not kernel.applies((x,), {"device": torch.device("meta")})
+    kernel.write(out, x, dtype=to)
+    assert torch.equal(out, expected) and out.stride() == expected.stride()
+
+
+def test_allocator_peak_counts_from_the_level_at_the_start():
+    """The profiler's counter keeps the tensors earlier profiled calls left alive: the measure
+    must not grow with them."""
+    from memplan.torch.measure import allocator_peak_bytes
+
+    kept: list[torch.Tensor] = []
+    peaks = [allocator_peak_bytes(lambda: kept.append(torch.ones(2**20, dtype=torch.uint8)))[1] for _ in range(3)]
+    assert peaks == [2**20] * 3
+    assert allocator_peak_bytes(kept.clear)[1] == 0

@@ -298,12 +298,11 @@ def run_feature(
             scheduler=planned.scheduler or (),
             **compile_options,
         )
-        worst = 0.0
-        for k in range(steps):
-            torch.manual_seed(seed + 1000 + k)
-            eager_loss = eager_step(batches[k])
-            torch.manual_seed(seed + 1000 + k)
-            planned_loss = planned_step(batches[k])
+        worst, k = 0.0, 0
+        # measuring: more steps (compared too) until the planned allocator replays its plan
+        while k < steps or (measure and k < steps + MAX_WARMUP_STEPS and not _replaying(planned_step, batches[-1])):
+            step_seed = seed + 1000 + k
+            eager_loss, planned_loss = (_seeded(fn, batches[k % steps], step_seed) for fn in (eager_step, planned_step))
             found = differences(
                 snapshot(eager.model, eager.optimizer, *eager.objects()),
                 snapshot(planned.model, planned.optimizer, *planned.objects()),
@@ -315,10 +314,26 @@ def run_feature(
             )
             if found or not torch.equal(eager_loss.nan_to_num(), planned_loss.nan_to_num()):
                 return FeatureResult(spec.name, feature.name, False, f"step {k}: " + "; ".join(found[:3]), worst)
+            k += 1
     except MemplanError as err:
         return FeatureResult(spec.name, feature.name, False, str(err))
-    peaks = _peaks(eager_step, planned_step, batches[-1]) if measure else (0, 0)
+    peaks = _peaks(eager_step, planned_step, batches, seed + 1000 + k) if measure else (0, 0)
     return FeatureResult(spec.name, feature.name, True, "", worst, *peaks)
+
+
+MEASURED_STEPS = 3
+MAX_WARMUP_STEPS = 6  # the planned allocator records until two steps allocate alike (run/replay.py)
+
+
+def _seeded(fn: Callable[[Batch], Any], batch: Batch, seed: int) -> Any:
+    torch.manual_seed(seed)  # both sides draw the same dropout masks (and so make the same scaler decisions)
+    return fn(batch)
+
+
+def _replaying(planned_step: Any, batch: Batch) -> bool:
+    """The planned step runs its plan: a views runner always, the planned allocator once it
+    has placed a recorded step (the steps before are recorded on the ordinary allocator)."""
+    return bool(getattr(planned_step.runner_for(batch), "replaying", True))
 
 
 def _shaped(batch: Batch, feature: Feature) -> Batch:
@@ -340,13 +355,21 @@ def _max_abs_diff(a: Setup, b: Setup) -> float:
     return max(diffs, default=0.0)
 
 
-def _peaks(eager_step: Callable, planned_step: Any, batch: Batch) -> tuple[int, int]:
-    """Bytes one more steady-state step of each holds at its peak beyond the persistent tensors
-    (parameters, optimizer state, the batch): the CPU allocator's own count during the step,
-    plus, for memplan, its arena, which it holds from before the step."""
+def _peaks(eager_step: Callable, planned_step: Any, batches: list[Batch], seed: int) -> tuple[int, int]:
+    """Bytes each side holds at its peak beyond the persistent tensors (parameters, optimizer
+    state, the batch), the most over ``MEASURED_STEPS`` more steps: the CPU allocator's own
+    count during each step, plus, for memplan, its arena, which it holds from before the step.
+    Several steps, because a GradScaler step that skips the update needs less than one that
+    makes it; both sides draw the same random numbers, so they skip the same steps."""
     from memplan.torch.measure import allocator_peak_bytes
 
-    _, eager_peak = allocator_peak_bytes(eager_step, batch)
-    _, planned_peak = allocator_peak_bytes(planned_step, batch)
-    runner = planned_step.runner_for(batch)
-    return planned_peak + runner.arena.untyped_storage().nbytes(), eager_peak
+    eager_peak = planned_peak = 0
+    for k in range(MEASURED_STEPS):
+        batch = batches[k % len(batches)]
+        eager_peak = max(eager_peak, allocator_peak_bytes(_seeded, eager_step, batch, seed + k)[1])
+        runner = planned_step.runner_for(batch)
+        # a step that records releases the arena first (run/replay.py): it holds no arena
+        arena = runner.arena.untyped_storage().nbytes() if getattr(runner, "replaying", True) else 0
+        planned = allocator_peak_bytes(_seeded, planned_step, batch, seed + k)[1]
+        planned_peak = max(planned_peak, planned + arena)
+    return planned_peak, eager_peak

@@ -136,12 +136,25 @@ def allocator_peak_bytes(fn: Any, *args: Any) -> tuple[Any, int]:
             events = json.load(f).get("traceEvents", [])
     finally:
         os.unlink(path)
-    totals = [
-        int(e["args"]["Total Allocated"])
-        for e in events
-        if e.get("name") == "[memory]" and "Total Allocated" in e.get("args", {})
-    ]
-    return result, max(totals, default=0)
+    return result, peak_above_start(events)
+
+
+def peak_above_start(events: list[dict[str, Any]]) -> int:
+    """The largest "Total Allocated" of a profile's memory events above the level at its start.
+
+    The profiler's CPU counter is not reset per profile: it still counts the tensors that
+    earlier profiled calls allocated and that are alive (optimizer state made lazily, a
+    returned loss). The level before the first event is that event's total less its own bytes
+    (negative for a free)."""
+    memory = sorted(
+        (e for e in events if e.get("name") == "[memory]" and "Total Allocated" in e.get("args", {})),
+        key=lambda e: e.get("ts", 0),
+    )
+    if not memory:
+        return 0
+    first = memory[0]["args"]
+    start = int(first["Total Allocated"]) - int(first.get("Bytes", 0))
+    return max(0, max(int(e["args"]["Total Allocated"]) for e in memory) - start)
 
 
 def resident_bytes(*tensors: Any) -> int:

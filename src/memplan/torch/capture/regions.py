@@ -119,6 +119,8 @@ class RegionRecorder:
                         return _traced_scaler_step(owner, *args, **kwargs)
                     if role == "scheduler":
                         return None  # Python state only (learning rates): made for real at run time
+                    if role == "optimizer" and method == "step" and _per_parameter_steps(owner, bound, args, kwargs):
+                        return None
                     return bound(*args, **kwargs)
             finally:
                 self._depth -= 1
@@ -133,6 +135,49 @@ class RegionRecorder:
                 g = p.grad
                 out[name] = (storage_key(g), tuple(g.shape), tuple(g.stride()), g.storage_offset())
         return out
+
+
+@contextlib.contextmanager
+def only_params(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]):
+    """Let ``optimizer.step()`` see only ``params``, each in its own param group with that
+    group's hyper-parameters (the group dicts are the user's, restored afterwards)."""
+    wanted = {id(p) for p in params}
+    saved_groups = optimizer.param_groups
+    saved_params = [group["params"] for group in saved_groups]
+    try:
+        for group in saved_groups:
+            group["params"] = [p for p in group["params"] if id(p) in wanted]
+        optimizer.param_groups = [group for group in saved_groups if group["params"]]
+        yield
+    finally:
+        for group, group_params in zip(saved_groups, saved_params, strict=True):
+            group["params"] = group_params
+        optimizer.param_groups = saved_groups
+
+
+def _per_parameter_steps(optimizer: torch.optim.Optimizer, step: Callable, args: tuple, kwargs: dict) -> bool:
+    """Trace ``optimizer.step()`` one parameter at a time where that is what the runtime will
+    run (OLLA 4.3's early updates): a ``foreach`` step of a ``torch.optim`` optimizer that
+    updates parameters independently, every parameter on the CPU, no closure. There a foreach
+    op is a loop over its tensors (ATen's per-tensor fallback), so a list of one computes each
+    parameter's update with the same kernels and scalars as the list of all; the traced ops
+    then read one parameter each and :mod:`memplan.torch.run.updates` finds one group per
+    parameter instead of one over all (tested bit for bit by the optimizer matrix). Returns
+    whether it did."""
+    from memplan.torch.run.updates import updates_are_independent
+
+    groups = optimizer.param_groups
+    params = [p for g in groups for p in g["params"]]
+    if args or kwargs or not updates_are_independent(optimizer) or not params:
+        return False
+    if not any(g.get("foreach") for g in groups) or any(g.get("fused") for g in groups):
+        return False
+    if any(p.device.type != "cpu" for p in params):
+        return False
+    for param in params:
+        with only_params(optimizer, [param]):
+            step()
+    return True
 
 
 def _optimizer_argument(args: tuple, kwargs: dict) -> torch.optim.Optimizer | None:

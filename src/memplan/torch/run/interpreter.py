@@ -30,6 +30,7 @@ from memplan.errors import MemplanError
 from memplan.graph.ir import Graph, TensorId
 from memplan.torch.capture import Capture
 from memplan.torch.capture.hf_masks import check_mask_guards
+from memplan.torch.capture.regions import only_params as _only_params
 from memplan.torch.run.constants import bind_constants
 from memplan.torch.run.selfcheck import SelfCheck
 from memplan.torch.run.updates import UpdateGroup, check_optimizers, update_groups
@@ -91,6 +92,7 @@ class _Update:
     traced: tuple[_Call, ...] = ()  # the update's ops as traced, in program order
     region: int = 0  # the call it makes (Capture.regions)
     split: bool = False  # optimizer.step() on ``param_names`` only, not the whole call (run/updates.py)
+    last_of_call: bool = True  # split: the call's group planned last (it makes the call's own bookkeeping)
 
 
 class RunHook:
@@ -185,6 +187,7 @@ class StepRunner:
 
     def _compile(self) -> list[_Call | _Update]:
         groups = self._update_groups_by_last_op()
+        last_of_call = {g.region: op for op, g in groups.items()}  # groups come in planned order
         instructions: list[_Call | _Update] = []
         for position, op_id in enumerate(self.plan.order):
             phase = self.capture.op_phase[op_id]
@@ -195,7 +198,8 @@ class StepRunner:
                 if group is not None:
                     traced = tuple(self._call(-1, m) for m in group.ops if self.capture.node_of_op[m] in self.nodes)
                     grads = tuple(self.nodes[n] for n in group.grad_nodes)
-                    instructions.append(_Update(position, group.params, grads, traced, group.region, group.split))
+                    last = last_of_call[group.region] == op_id
+                    instructions.append(_Update(position, group.params, grads, traced, group.region, group.split, last))
                 continue
             instructions.append(self._call(position, op_id))
         return instructions
@@ -207,7 +211,8 @@ class StepRunner:
             return {}
         check_optimizers(self.optimizers, self.model)
         position = {op: i for i, op in enumerate(self.plan.order)}
-        return {max(g.ops, key=position.__getitem__): g for g in update_groups(self.capture)}
+        by_last = {max(g.ops, key=position.__getitem__): g for g in update_groups(self.capture)}
+        return dict(sorted(by_last.items(), key=lambda item: position[item[0]]))
 
     def _runtime_objects(self) -> dict[int, Any]:
         """``id(captured object) -> the object to call``: the step may have been captured on
@@ -236,7 +241,7 @@ class StepRunner:
         if out_op is not None and len(fresh) == len(names):
             return _Call(position, node, fresh, "out", out_op, names)
         kernel = ARENA_KERNELS.get(node.target._schema.name)
-        if kernel is not None and len(fresh) == 1 and kernel.applies(node.args):
+        if kernel is not None and len(fresh) == 1 and kernel.applies(node.args, node.kwargs):
             return _Call(position, node, fresh, "kernel")
         return _Call(position, node, fresh, "copy")
 
@@ -270,7 +275,7 @@ class StepRunner:
         if not isinstance(ins, _Call) or len(ins.fresh) != 1:
             return ins
         kernel = ARENA_KERNELS.get(ins.node.target._schema.name)
-        if kernel is None or not kernel.applies(ins.node.args):
+        if kernel is None or not kernel.applies(ins.node.args, ins.node.kwargs):
             return ins
         return replace(ins, strategy="kernel")
 
@@ -473,7 +478,10 @@ class StepRunner:
         region = self.capture.regions[ins.region]
         replay = _ReplayIntoArena(self, ins.traced) if self.plan.offsets else contextlib.nullcontext()
         try:
-            if ins.split:
+            if ins.split and region.kind == "scaler.step":
+                with replay:
+                    self._scaler_step_on(region, params, ins.last_of_call)
+            elif ins.split:
                 optimizer = self._real(region.owner)
                 with _only_params(optimizer, params), replay:
                     optimizer.step(*region.args, **region.kwargs)
@@ -485,6 +493,28 @@ class StepRunner:
         finally:
             for param in params:
                 param.grad = None
+
+    def _scaler_step_on(self, region: Any, params: Sequence[torch.Tensor], last: bool) -> None:
+        """``scaler.step(optimizer)`` for ``params`` only (run/updates.py, ``scaler_step_splits``):
+        the call's group planned last makes the real ``scaler.step`` (its checks, its stage
+        bookkeeping); the groups before it make what that call does to their parameters,
+        GradScaler's own ``_maybe_opt_step`` (the update unless a gradient was not finite)."""
+        scaler = self._real(region.owner)
+        args = tuple(self._real(a) for a in region.args)
+        optimizer, rest = args[0], args[1:]
+        with _only_params(optimizer, params):
+            if last:
+                scaler.step(optimizer, *rest, **region.kwargs)
+            elif not scaler.is_enabled():
+                optimizer.step(*rest, **region.kwargs)
+            else:
+                state = scaler._per_optimizer_states[id(optimizer)]
+                if state["stage"].name != "UNSCALED":
+                    raise MemplanError(
+                        "scaler.step() was split by parameter but its gradients were not unscaled first; "
+                        "call scaler.unscale_(optimizer) before it in the step"
+                    )
+                scaler._maybe_opt_step(optimizer, state, *rest, **region.kwargs)
 
     def _result(self, env: dict[str, Any]) -> Any:
         output_node = next(n for n in self.capture.gm.graph.nodes if n.op == "output")
@@ -597,7 +627,7 @@ def _writes_into_arena(node: torch.fx.Node, num_fresh: int) -> bool:
     if name in _EMPTY_FACTORIES:
         return True
     kernel = ARENA_KERNELS.get(name)
-    if kernel is not None and num_fresh == 1 and kernel.applies(node.args):
+    if kernel is not None and num_fresh == 1 and kernel.applies(node.args, node.kwargs):
         return True
     out_op, names = _real_out_variant(node.target, len(tensor_leaves(node.meta.get("val"))))
     return out_op is not None and len(names) == num_fresh
@@ -613,24 +643,6 @@ def _as_list(value: Any) -> list[Any]:
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-@contextlib.contextmanager
-def _only_params(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]):
-    """Let ``optimizer.step()`` see only ``params``, each in its own param group with that
-    group's hyper-parameters (the group dicts are the user's, restored afterwards)."""
-    wanted = {id(p) for p in params}
-    saved_groups = optimizer.param_groups
-    saved_params = [group["params"] for group in saved_groups]
-    try:
-        for group in saved_groups:
-            group["params"] = [p for p in group["params"] if id(p) in wanted]
-        optimizer.param_groups = [group for group in saved_groups if group["params"]]
-        yield
-    finally:
-        for group, group_params in zip(saved_groups, saved_params, strict=True):
-            group["params"] = group_params
-        optimizer.param_groups = saved_groups
 
 
 def _real_out_variant(op: Any, num_outputs: int) -> tuple[Any, tuple[str, ...]]:
@@ -651,9 +663,10 @@ def _real_out_variant(op: Any, num_outputs: int) -> tuple[Any, tuple[str, ...]]:
 @dataclass(frozen=True)
 class ArenaKernel:
     """Writes an op's output straight into its arena view where PyTorch has no real out=
-    kernel; ``applies(node_args)`` decides at compile time, bit-exactness is tested."""
+    kernel; ``applies(node_args, node_kwargs)`` decides at compile time, bit-exactness is
+    tested."""
 
-    applies: Callable[[tuple], bool]
+    applies: Callable[..., bool]
     write: Callable[..., None]
 
 
@@ -665,10 +678,31 @@ def _embedding_backward_into(out: torch.Tensor, grad, indices, num_weights, padd
         out[padding_idx] = 0
 
 
+def _to_copy_applies(args: tuple, kwargs: dict | None = None) -> bool:
+    """A dtype (or layout-preserving) conversion on the input's own device: no pinned memory,
+    no other layout (the arena view is a dense strided tensor on the arena's device)."""
+    kwargs = kwargs or {}
+    source = args[0].meta.get("val") if isinstance(args[0], torch.fx.Node) else args[0]
+    device = kwargs.get("device")
+    return (
+        isinstance(source, torch.Tensor)
+        and kwargs.get("layout") in (None, torch.strided)
+        and not kwargs.get("pin_memory")
+        and (device is None or torch.device(device) == source.device)
+    )
+
+
+def _to_copy_into(out: torch.Tensor, source: torch.Tensor, **options: Any) -> None:
+    """``aten::_to_copy`` is an empty output of the traced dtype and strides, then
+    ``copy_(source)`` (ATen's ``_to_copy``): the same copy into the arena view is the same bits."""
+    out.copy_(source, non_blocking=bool(options.get("non_blocking", False)))
+
+
 ARENA_KERNELS = {
     "aten::embedding_dense_backward": ArenaKernel(
-        applies=lambda args: len(args) > 4 and args[4] is False, write=_embedding_backward_into
+        applies=lambda args, kwargs=None: len(args) > 4 and args[4] is False, write=_embedding_backward_into
     ),
+    "aten::_to_copy": ArenaKernel(applies=_to_copy_applies, write=_to_copy_into),
 }
 
 # Elementwise TensorIterator ops: their out= kernel may write over an input of the same layout

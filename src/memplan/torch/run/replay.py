@@ -26,6 +26,10 @@ from memplan.torch.run.arena import SharedArena
 from memplan.torch.run.verify import StepObjects, verify_by_rerun
 
 MAX_RECORDINGS = 4
+# A step that allocates otherwise than the plan (a GradScaler step that skips the update, an
+# occasional other branch) finishes on the base allocator; the plan is kept for the steps after
+# it, and recorded again only when this many steps in a row diverge.
+REPLAN_AFTER_DIVERGED = 2
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,8 @@ class ReplayedStep:
     step records (the recording runs on the ordinary allocator, and the process should not hold
     both) and reserved at the plan's size when it replays. ``last_stats`` says what the latest
     replayed step did; a step whose allocations differ from the recording is still correct (the
-    rest goes to the allocator) and is recorded again next time. ``native`` is the planned
+    rest goes to the allocator); after ``REPLAN_AFTER_DIVERGED`` such steps in a row the step is
+    recorded again. ``native`` is the planned
     allocator that records and replays: the CPU one by default, the CUDA one
     (:func:`memplan.torch.run.cuda_allocator.native`) for a step on a GPU. Where the native
     allocator asks for it (CUDA: ``verify_first_replay``), the first replayed step of every plan
@@ -93,6 +98,7 @@ class ReplayedStep:
         self.refused: str | None = None  # why replay was given up (the step then runs on the allocator)
         self._previous: AllocationTrace | None = None
         self._unverified = False  # a new plan whose first replay the native allocator wants verified
+        self.diverged_in_a_row = 0
 
     def __call__(self, batch: Any) -> Any:
         if self.refused is not None:
@@ -129,8 +135,9 @@ class ReplayedStep:
                 f"{stats.arena_alive_after} arena allocation(s) outlived the step, which the recording did not show; "
                 "keep no tensor of the step alive across steps, or run with allocator='views'"
             )
-        if stats.diverged_at is not None:
-            self.plan, self._previous, self.recordings = None, None, 0  # record again
+        self.diverged_in_a_row = self.diverged_in_a_row + 1 if stats.diverged_at is not None else 0
+        if self.diverged_in_a_row >= REPLAN_AFTER_DIVERGED:
+            self.plan, self._previous, self.recordings, self.diverged_in_a_row = None, None, 0, 0  # record again
         return result
 
     @property

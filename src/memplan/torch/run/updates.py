@@ -7,11 +7,12 @@ the plan decides is *when* each update runs and *which parameters* one call cove
 
 An update group is the set of parameters whose traced optimizer ops read each other's tensors:
 a for-loop optimizer touches one parameter per op, so each parameter is its own group and can
-update as soon as its gradient is ready; a ``foreach`` or ``fused`` optimizer reads every
-parameter of a param group in one op, so the whole param group is one group. Groups are the
-connected components of "an optimizer op reads a tensor owned by parameter p" (a union-find
-over the traced ops): the grouping follows what the optimizer actually does, never an
-assumption about it.
+update as soon as its gradient is ready (inside ``scaler.step(optimizer)`` too, once
+``unscale_`` has checked every gradient: see :func:`scaler_step_splits`); a ``foreach`` or
+``fused`` optimizer reads every parameter of a param group in one op, so the whole param group
+is one group. Groups are the connected components of "an optimizer op reads a tensor owned by
+parameter p" (a union-find over the traced ops): the grouping follows what the optimizer
+actually does, never an assumption about it.
 
 A group runs as one ``optimizer.step()`` over its parameters only. That equals eager only when
 the optimizer updates parameters independently given their own state, which holds for every
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch.fx
 
@@ -106,6 +108,31 @@ def updates_are_independent(optimizer: torch.optim.Optimizer) -> bool:
     return known and not any(hooks)
 
 
+def scaler_step_splits(region: Any) -> bool:
+    """``scaler.step(optimizer)`` may run as one ``optimizer.step()`` per group of parameters:
+    its optimizer updates parameters independently and does not unscale by itself (a fused
+    one does, ``_step_supports_amp_scaling``), and no closure is given. GradScaler's step is
+    ``if no gradient was inf: optimizer.step()`` (``_maybe_opt_step``), and every group reads the
+    same found-inf flags, which ``unscale_`` set before it; if the step unscales by itself
+    instead (no ``unscale_`` call before it), the traced unscale op reads every gradient and
+    the split finds a single group."""
+    optimizer = region.optimizer
+    return (
+        optimizer is not None
+        and bool(region.args)
+        and region.args[0] is optimizer
+        and updates_are_independent(optimizer)
+        and not getattr(optimizer, "_step_supports_amp_scaling", False)
+        and "closure" not in region.kwargs
+    )
+
+
+def _splits(region: Any) -> bool:
+    if region.kind == "optimizer.step":
+        return updates_are_independent(region.owner)
+    return region.kind == "scaler.step" and scaler_step_splits(region)
+
+
 def update_groups(capture: Capture) -> list[UpdateGroup]:
     """The update groups of a captured training step (see the module docstring): each call of
     a stateful object is one group, except an ``optimizer.step()`` of an optimizer that
@@ -116,7 +143,7 @@ def update_groups(capture: Capture) -> list[UpdateGroup]:
     for region in capture.regions:
         ops = [op for op, r in enumerate(capture.op_region) if r == region.index]
         bound = grad_nodes.get(region.index, {})
-        if region.kind == "optimizer.step" and updates_are_independent(region.owner):
+        if _splits(region):
             groups += _split_by_parameter(capture, region.index, ops, bound)
         else:
             params = tuple(sorted(bound))
