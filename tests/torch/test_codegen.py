@@ -107,6 +107,9 @@ def test_generated_and_interpreted_steps_give_the_same_bits(spec, feature, alloc
     runner = _runner(generated)
     assert runner.executor == "generated" and runner._generated is not None
     assert _runner(interpreted)._generated is None
+    # the interpreter's per-op closures exist only where it runs (they would stay resident)
+    assert runner._fetching is None and _runner(interpreted)._fetching is not None
+    assert all(getattr(ins, "fetch", None) is None for ins in runner.instructions)
     # the same ops wrote the same bytes in the same places
     assert runner.stats == _runner(interpreted).stats
 

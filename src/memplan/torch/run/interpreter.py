@@ -137,6 +137,7 @@ class StepRunner:
             raise MemplanError(f"executor must be one of {', '.join(EXECUTORS)}, not {executor!r}")
         self.executor = executor
         self._generated: Any = None  # the GeneratedStep, written on the first generated step
+        self._fetching: tuple[list, list] | None = None  # (instructions, the same with fetchers): interpreted steps
         self.capture = capture
         self.plan = plan
         self.model = model
@@ -226,8 +227,7 @@ class StepRunner:
         return self._objects.get(id(value), value)
 
     def _call(self, position: int, op_id: int) -> _Call:
-        call = self._strategy(position, op_id)
-        return replace(call, fetch=_fetcher((call.node.args, call.node.kwargs)))
+        return self._strategy(position, op_id)  # its fetcher is built when the interpreter first runs it
 
     def _strategy(self, position: int, op_id: int) -> _Call:
         node = self.nodes[self.capture.node_of_op[op_id]]
@@ -369,7 +369,7 @@ class StepRunner:
         self.stats = RunStats()
         frees = self._frees
         plain = not self.plan.offsets  # the planned allocator serves addresses: ops run as they are
-        for ins in self.instructions:
+        for ins in self._interpreted_instructions():
             if isinstance(ins, RunHook):
                 ins.run(self, env)
                 continue
@@ -392,6 +392,16 @@ class StepRunner:
             for name in frees.get(ins.position, ()):
                 env.pop(name, None)
         return self._result(env)
+
+    def _interpreted_instructions(self) -> list[_Call | _Update | RunHook]:
+        """The instructions with each call's fetcher (:func:`_fetcher`), built on the first
+        interpreted step: the generated executor needs none, and a step's thousands of closures
+        would stay resident for nothing (issue 15: memplan's RSS beyond its plan)."""
+        cached = self._fetching
+        if cached is None or cached[0] is not self.instructions:
+            bound = [_with_fetcher(ins) for ins in self.instructions]
+            cached = self._fetching = (self.instructions, bound)
+        return cached[1]
 
     def generated_step(self) -> Any:
         """The step written as one function (generated once, on first use)."""
@@ -804,6 +814,12 @@ def _store(node: torch.fx.Node, value: Any, env: dict[str, Any]) -> None:
 
 def _arg_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.fx.Node)]
+
+
+def _with_fetcher(ins: Any) -> Any:
+    if isinstance(ins, _Call) and ins.fetch is None:
+        return replace(ins, fetch=_fetcher((ins.node.args, ins.node.kwargs)))
+    return ins
 
 
 def _fetcher(value: Any) -> Callable[[dict[str, Any]], Any]:
