@@ -36,6 +36,7 @@ from torch.utils import _pytree as pytree
 
 import torch
 from memplan.errors import MemplanError
+from memplan.isolate import in_child
 from memplan.pipeline import MemoryPlan, make_plan
 from memplan.torch.capture import Capture, capture_infer_step, capture_step
 from memplan.torch.capture.trace import standard_step
@@ -84,7 +85,8 @@ def plan_step(
             recompute_copies=recompute_copies,
         )
     groups = optimizer_update_groups(capture) if capture.mode == "train" else []
-    plan = make_plan(
+    plan = in_child(  # the solvers' memory stays out of the training process
+        make_plan,
         capture.graph,
         time_limit_seconds=time_limit_seconds,
         reorder=reorder,

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from memplan.errors import MemplanError
+from memplan.isolate import in_child
 from memplan.placement import PlacementProblem, place, validate_placement
 from memplan.torch.run import allocator
 from memplan.torch.run.allocator import AllocationTrace, NativeReplay, ReplayPlan, ReplayStats
@@ -171,7 +172,7 @@ class ReplayedStep:
     def _plan(self, trace: AllocationTrace) -> None:
         start = time.perf_counter()
         problem, indices = placement_problem(trace)
-        solved = place(problem, time_limit_seconds=self.time_limit_seconds)
+        solved = in_child(place, problem, time_limit_seconds=self.time_limit_seconds)
         validate_placement(problem, solved)
         offsets = {k: solved.offsets_bytes[i] for i, k in enumerate(indices)}
         # the recording steps' freed blocks go back to the OS before the arena is mapped (in
