@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from memplan.errors import InfeasibleBudget, MemplanError
+from memplan.isolate import in_child
 from memplan.report.format import format_bytes
 from memplan.torch.capture import Capture
 from memplan.torch.run.allocator import AllocationTrace, NativeReplay
@@ -185,7 +186,13 @@ def plan_budget(
     if budget_bytes is not None and plain_peak_bytes + scratch <= budget_bytes:
         return BudgetPlan(None, {**report, **_reorder_only(plain_peak_bytes + scratch, "optimal")}, None, context)
     if budget_bytes is None:
-        schedule = solve_remat_within_overhead(graph, float(max_overhead), time_limit_seconds, workspace=workspace)  # type: ignore[arg-type]
+        schedule = in_child(  # the solvers' memory stays out of the training process
+            solve_remat_within_overhead,
+            graph,
+            float(max_overhead),  # type: ignore[arg-type]
+            time_limit_seconds,
+            workspace=workspace,
+        )
         return _decided(schedule, report, plain_peak_bytes + scratch, None, context)
     return _solve_within(context, report, budget_bytes, plain_peak_bytes + scratch)
 
@@ -208,8 +215,13 @@ def _solve_within(
     from memplan.remat import solve_remat
 
     graph, budget_bytes = context.graph, report["budget_bytes"]
-    schedule = solve_remat(
-        graph, solve_bytes, context.time_limit_seconds, workspace=context.workspace, reorder=context.reorder
+    schedule = in_child(
+        solve_remat,
+        graph,
+        solve_bytes,
+        context.time_limit_seconds,
+        workspace=context.workspace,
+        reorder=context.reorder,
     )
     if not schedule.feasible:
         raise InfeasibleBudget(
