@@ -43,7 +43,9 @@ NOTES = [
     "steps.",
     "*eager RSS*, *memplan RSS*: memory as the operating system sees it, the peak resident set (`VmHWM`) of "
     "the whole process during two steady-state steps, each side trained in a fresh process of its own "
-    "(`memplan.torch.compare.steady_state_rss`: warm-up, then `VmHWM` reset through `/proc/self/clear_refs`). "
+    "(`memplan.torch.compare.steady_state_rss`: warm-up, then `VmHWM` reset through `/proc/self/clear_refs`); "
+    "the median over `--rss-repeats` such processes per side (default 3; the range in brackets): an eager "
+    "process's resident set varies from one process to the next by tens of MiB. "
     "It includes the Python interpreter, torch's libraries and memplan's own objects (captures, plans), which no "
     "plan counts; *memplan peak* above counts allocations only. *RSS beyond the claim*: (memplan RSS - planned "
     "peak) - (eager RSS - eager peak), the resident bytes memplan holds that its plan does not claim, above what "
@@ -88,7 +90,19 @@ def rss_cells(r: dict) -> str:
     beyond = (memplan - r["memplan"]["planned_peak_bytes"]) - (eager - r["eager"]["peak_bytes"])
     sign = "-" if beyond < 0 else "+"
     ratio = memplan / eager
-    return f"{format_bytes(eager)} | {format_bytes(memplan)} | {ratio:.3f} | {sign}{format_bytes(abs(beyond))}"
+    return (
+        f"{_rss_runs(r['rss']['eager'])} | {_rss_runs(r['rss']['memplan'])} | {ratio:.3f} "
+        f"| {sign}{format_bytes(abs(beyond))}"
+    )
+
+
+def _rss_runs(side: dict) -> str:
+    """The median peak RSS, with the range over the processes where there were several."""
+    runs = side.get("peak_rss_runs", [])
+    median = format_bytes(side["peak_rss_bytes"])
+    if len(runs) < 2:
+        return median
+    return f"{median} ({min(runs) / 2**20:.0f}-{max(runs) / 2**20:.0f} MiB, {len(runs)} runs)"
 
 
 def main() -> None:
@@ -101,6 +115,7 @@ def main() -> None:
     parser.add_argument("--allocator", default="auto", choices=["auto", "replay", "views"])
     parser.add_argument("--no-recompute", action="store_true", help="keep every forward copy (no recomputed cat/clone)")
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS runs (two extra processes per model)")
+    parser.add_argument("--rss-repeats", type=int, default=3, help="processes per side for RSS (median shown)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--from-json", default=None, help="rebuild the table from a previous run's JSON")
     args = parser.parse_args()
@@ -124,6 +139,7 @@ def main() -> None:
             recompute_copies=not args.no_recompute,
             time_interpreter=True,
             rss=not args.no_rss,
+            rss_repeats=args.rss_repeats,
         )
         reports.append(r)
         rows.append(row(r))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import gc
 import multiprocessing
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +74,7 @@ def compare_with_eager(
     executor: str = "generated",
     time_interpreter: bool = False,
     rss: bool = False,
+    rss_repeats: int = 1,
 ) -> dict[str, Any]:
     """The report of ``memplan run``: numerics, measured peak bytes and step seconds of both.
     ``memory_budget``/``max_overhead``: plan within them (:mod:`memplan.torch.run.budget`);
@@ -80,7 +82,8 @@ def compare_with_eager(
     ``time_interpreter``: a third copy of the model runs the same plan with the interpreted
     executor, timed in the same steps (``memplan.interpreted_step_seconds``) and compared too.
     ``rss``: also the peak resident set of a steady-state step of each, each measured in a
-    process of its own (:func:`steady_state_rss`)."""
+    process of its own (:func:`steady_state_rss`); ``rss_repeats`` processes per side, the
+    median kept (:func:`median_steady_state_rss`)."""
     w = build_workload(model_name, batch_size, seed=seed)
     eager_model = w.model
     memplan_model = copy.deepcopy(w.model)
@@ -165,9 +168,9 @@ def compare_with_eager(
         options = {"optimizer_name": optimizer_name, "time_limit_seconds": time_limit_seconds, "seed": seed}
         rss_report = {
             "rss": {
-                "eager": steady_state_rss(model_name, batch_size, "eager", **options),
-                "memplan": steady_state_rss(
-                    model_name, batch_size, step.allocator, recompute_copies=recompute_copies, **options
+                "eager": median_steady_state_rss(model_name, batch_size, "eager", rss_repeats, **options),
+                "memplan": median_steady_state_rss(
+                    model_name, batch_size, step.allocator, rss_repeats, recompute_copies=recompute_copies, **options
                 ),
             }
         }
@@ -197,6 +200,21 @@ def compare_with_eager(
 
 
 RSS_MEASURED_STEPS = 2
+
+
+def median_steady_state_rss(
+    model_name: str, batch_size: int, side: str, repeats: int, **options: Any
+) -> dict[str, Any]:
+    """:func:`steady_state_rss` in ``repeats`` fresh processes: the median of each reading, and
+    every run's peak in ``peak_rss_runs``. An eager process's resident set varies from process to
+    process by tens of MiB (where the C library's heap ends up after its frees), so one run can
+    decide a comparison that the median does not."""
+    runs = [steady_state_rss(model_name, batch_size, side, **options) for _ in range(max(1, repeats))]
+    return {
+        "rss_before_bytes": int(statistics.median(r["rss_before_bytes"] for r in runs)),
+        "peak_rss_bytes": int(statistics.median(r["peak_rss_bytes"] for r in runs)),
+        "peak_rss_runs": [r["peak_rss_bytes"] for r in runs],
+    }
 
 
 def steady_state_rss(
