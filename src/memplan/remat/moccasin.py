@@ -229,6 +229,7 @@ def build_model(
     runs_per_node: int,
     defer: bool = False,
     elastic: bool = False,
+    stage_cuts: bool = True,
 ) -> CpModel:
     """Moccasin over ``sg`` (see the module docstring). With ``defer``, a node's first run in
     its own stage is optional too: the node may first run in a later stage (a slot of its
@@ -236,7 +237,10 @@ def build_model(
 
     ``elastic`` is Moccasin's phase 1: the memory capacity is a variable and the objective is
     its excess over the budget, so every plan is a solution (checkpoint-all among them) and
-    the search walks from one to a plan within the budget (excess 0, proven optimal)."""
+    the search walks from one to a plan within the budget (excess 0, proven optimal).
+
+    ``stage_cuts`` adds the redundant constraints of :func:`_stage_cuts` (not with ``defer``
+    or ``elastic``): they change no solution, they give the search a lower bound."""
     reads = node_reads(sg)
     events = build_events(sg, reads)
     model = cp_model.CpModel()
@@ -269,6 +273,8 @@ def build_model(
     intervals, demands = _memory_intervals(model, sg, events, runs, work, unit, horizon)
     _precedence(model, reads, runs)
     _runs_do_not_overlap(model, runs)
+    if stage_cuts and not defer and not elastic:
+        _stage_cuts(model, sg, events, reads, runs, _Units(unit, capacity, work))
     costs, cost_unit = cost_scale(sg.cost)
     if elastic:
         memory = model.new_int_var(0, sum(demands), "memory")
@@ -282,6 +288,143 @@ def build_model(
         model.add_cumulative(intervals, demands, max(0, capacity))
         model.minimize(sum(costs[k] * run.present for k, node_runs in enumerate(runs) for run in node_runs))
     return CpModel(model, events, reads, runs, cost_unit, unit)
+
+
+STAGE_CUT_PAIRS = 20_000
+"""The stage cuts get at most this many (node, stage) variables, the stages most over the budget first."""
+
+
+@dataclass(frozen=True)
+class _Units:
+    """The model's memory scale: bytes per demand unit, the capacity and the temporaries in units."""
+
+    memory: int
+    capacity: int
+    work: list[int]
+    """Bytes (not units) of each node's temporaries beyond its outputs."""
+
+
+def _stage_cuts(
+    model: cp_model.CpModel, sg: SolverGraph, events: Events, reads: Reads, runs: list[list[_Run]], units: _Units
+) -> None:
+    """Redundant constraints: the memory at each tight stage, with re-runs as its only way out.
+
+    At node ``v``'s first run (event ``e_v``) every byte part ``(p, q)`` made before and read by
+    the first run of a later node is resident, or ``p`` runs again after ``e_v`` (``b[p, v]``);
+    a part that a re-run of ``j`` after ``e_v`` reads is resident unless ``p`` runs again after
+    ``e_v`` too (``r >= b[j, v] - b[p, v]``). The resident parts, ``v``'s inputs, outputs and
+    temporaries and the outputs of the step made before it fit the capacity (Checkmate's
+    ``U <= budget`` at one stage). Every plan of the model meets them (``b`` and ``r`` as the
+    plan has them), so they cut no plan; but with ``b[p, v] <= present`` (of ``p``'s re-run)
+    their linear relaxation ties the budget to the objective, which the cumulative constraint
+    alone does not: on a budget near the memory floor it is the search's lower bound."""
+    unit = units.memory
+    size = {(p, q): b // unit for p, parts in enumerate(sg.parts) for q, (b, _) in enumerate(parts) if b}
+    first_readers: dict[Part, list[int]] = {}
+    rerun_readers: dict[Part, list[int]] = {}
+    for j in range(sg.size):
+        for part in reads.first[j]:
+            first_readers.setdefault(part, []).append(j)
+        for part in reads.rerun[j]:
+            rerun_readers.setdefault(part, []).append(j)
+    last_first_read = {part: max(js) for part, js in first_readers.items()}
+    stages = []
+    made_before = 0
+    for v in range(sg.size):
+        own = sum(size.get((v, q), 0) for q in range(len(sg.parts[v]))) + units.work[v] // unit
+        inputs = set(reads.first[v])
+        crossing = [part for part, last in last_first_read.items() if part[0] < v < last and part not in inputs]
+        fixed = made_before + own + sum(size[part] for part in inputs if part in size)
+        excess = fixed + sum(size[part] for part in crossing) - units.capacity
+        if excess > 0:
+            stages.append((excess, v, fixed, crossing))
+        made_before += sg.output_bytes[v] // unit
+    pairs = 0
+    chosen = []
+    for _excess, v, fixed, crossing in sorted(stages, key=lambda s: -s[0]):
+        movable = _movable_closure(sg, events, reads, runs, v, crossing)
+        if pairs + len(movable) > STAGE_CUT_PAIRS:
+            break
+        pairs += len(movable)
+        chosen.append((v, fixed, crossing, movable))
+    later: dict[int, cp_model.IntVar] = {}
+    for v, fixed, crossing, movable in sorted(chosen, key=lambda c: -c[0]):
+        again = {p: _runs_again_after(model, runs[p], events.first(v)) for p in movable}
+        for p, b in again.items():
+            if p in later:
+                model.add_implication(later[p], b)  # a re-run after a later stage is after this one
+            later[p] = b
+        _stage_memory(model, v, fixed, crossing, again, size, rerun_readers, units.capacity)
+
+
+def _movable_closure(
+    sg: SolverGraph, events: Events, reads: Reads, runs: list[list[_Run]], v: int, crossing: list[Part]
+) -> list[int]:
+    """Nodes before ``v`` that may run again after ``v``'s first run and whose outputs matter
+    there: producers of parts crossing ``v``, and the producers of what their re-runs read."""
+    def movable(p: int) -> bool:
+        return len(runs[p]) > 1 and events.latest(p) > events.first(v)
+
+    found: set[int] = set()
+    stack = [p for p, _ in crossing if movable(p)]
+    while stack:
+        p = stack.pop()
+        if p in found:
+            continue
+        found.add(p)
+        stack.extend(u for u, _ in reads.rerun[p] if movable(u) and u not in found)
+    return sorted(found)
+
+
+def _runs_again_after(model: cp_model.CpModel, node_runs: list[_Run], event: int) -> cp_model.IntVar:
+    """A Boolean that implies a re-run of the node after ``event``."""
+    b = model.new_bool_var("")
+    options = []
+    for run in node_runs[1:]:
+        z = b if len(node_runs) == 2 else model.new_bool_var("")
+        model.add_implication(z, run.present)
+        model.add(run.start >= event + 1).only_enforce_if(z)
+        options.append(z)
+    if len(options) > 1:
+        model.add_bool_or([b.Not(), *options])
+    return b
+
+
+def _stage_memory(
+    model: cp_model.CpModel,
+    v: int,
+    fixed: int,
+    crossing: list[Part],
+    again: dict[int, cp_model.IntVar],
+    size: dict[Part, int],
+    rerun_readers: dict[Part, list[int]],
+    capacity: int,
+) -> None:
+    """The cut of stage ``v`` (see :func:`_stage_cuts`)."""
+    direct = set(crossing)
+    parts = direct | {part for part in size if part[0] in again or any(j in again for j in rerun_readers.get(part, ()))}
+    terms = []
+    for part in sorted(parts):
+        p, _ = part
+        if p >= v:
+            continue
+        readers = [again[j] for j in rerun_readers.get(part, ()) if j in again and j != p]
+        b = again.get(p)
+        if b is None:
+            if part in direct:
+                fixed += size[part]
+                continue
+            if not readers:
+                continue
+        if part not in direct and not readers:
+            continue
+        r = model.new_bool_var("")
+        if part in direct:
+            model.add_bool_or([r] + ([b] if b is not None else []))
+        for x in readers:
+            model.add_bool_or([r, x.Not()] + ([b] if b is not None else []))
+        terms.append(size[part] * r)
+    model.add(sum(terms) <= capacity - fixed)
 
 
 def _read_without_bytes(sg: SolverGraph, k: int) -> bool:
