@@ -50,6 +50,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import reduce
 
@@ -244,10 +245,8 @@ def build_model(
     reads = node_reads(sg)
     events = build_events(sg, reads)
     model = cp_model.CpModel()
-    sizes = [b for parts in sg.parts for b, _ in parts] + list(sg.output_bytes)
-    work = [max(0, sg.peak_bytes[k] - sum(b for b, _ in sg.parts[k])) for k in range(sg.size)]
-    unit = _scale(sizes + work)
-    capacity = (budget_bytes - persistent_bytes) // unit
+    units = memory_units(sg, budget_bytes, persistent_bytes)
+    work, unit, capacity = units.work, units.memory, units.capacity
     horizon = events.horizon
     last_read = _last_read_events(sg, events, reads)
     runs: list[list[_Run]] = []
@@ -273,8 +272,8 @@ def build_model(
     intervals, demands = _memory_intervals(model, sg, events, runs, work, unit, horizon)
     _precedence(model, reads, runs)
     _runs_do_not_overlap(model, runs)
-    if stage_cuts and not defer and not elastic:
-        _stage_cuts(model, sg, events, reads, runs, _Units(unit, capacity, work))
+    if stage_cuts and not defer and not elastic and runs_per_node > 1:
+        _stage_cuts(model, sg, events, reads, units, lambda p, event: _runs_again_after(model, runs[p], event))
     costs, cost_unit = cost_scale(sg.cost)
     if elastic:
         memory = model.new_int_var(0, sum(demands), "memory")
@@ -290,13 +289,13 @@ def build_model(
     return CpModel(model, events, reads, runs, cost_unit, unit)
 
 
-STAGE_CUT_PAIRS = 20_000
+STAGE_CUT_PAIRS = 6_000
 """The stage cuts get at most this many (node, stage) variables, the stages most over the budget first."""
 
 
 @dataclass(frozen=True)
-class _Units:
-    """The model's memory scale: bytes per demand unit, the capacity and the temporaries in units."""
+class MemoryUnits:
+    """The model's memory scale: bytes per demand unit and the capacity in units."""
 
     memory: int
     capacity: int
@@ -304,8 +303,20 @@ class _Units:
     """Bytes (not units) of each node's temporaries beyond its outputs."""
 
 
+def memory_units(sg: SolverGraph, budget_bytes: int, persistent_bytes: int) -> MemoryUnits:
+    """The largest unit every size is a multiple of (exact), and the capacity in it."""
+    sizes = [b for parts in sg.parts for b, _ in parts] + list(sg.output_bytes)
+    work = [max(0, sg.peak_bytes[k] - sum(b for b, _ in sg.parts[k])) for k in range(sg.size)]
+    unit = _scale(sizes + work)
+    return MemoryUnits(unit, (budget_bytes - persistent_bytes) // unit, work)
+
+
+AgainAfter = Callable[[int, int], cp_model.IntVar]
+"""``again(p, event)``: a Boolean that implies a re-run of node ``p`` after ``event``."""
+
+
 def _stage_cuts(
-    model: cp_model.CpModel, sg: SolverGraph, events: Events, reads: Reads, runs: list[list[_Run]], units: _Units
+    model: cp_model.CpModel, sg: SolverGraph, events: Events, reads: Reads, units: MemoryUnits, again: AgainAfter
 ) -> None:
     """Redundant constraints: the memory at each tight stage, with re-runs as its only way out.
 
@@ -342,28 +353,54 @@ def _stage_cuts(
     pairs = 0
     chosen = []
     for _excess, v, fixed, crossing in sorted(stages, key=lambda s: -s[0]):
-        movable = _movable_closure(sg, events, reads, runs, v, crossing)
+        movable = _movable_closure(events, reads, v, crossing)
         if pairs + len(movable) > STAGE_CUT_PAIRS:
             break
         pairs += len(movable)
         chosen.append((v, fixed, crossing, movable))
     later: dict[int, cp_model.IntVar] = {}
     for v, fixed, crossing, movable in sorted(chosen, key=lambda c: -c[0]):
-        again = {p: _runs_again_after(model, runs[p], events.first(v)) for p in movable}
-        for p, b in again.items():
+        after = {p: again(p, events.first(v)) for p in movable}
+        for p, b in after.items():
             if p in later:
                 model.add_implication(later[p], b)  # a re-run after a later stage is after this one
             later[p] = b
-        _stage_memory(model, v, fixed, crossing, again, size, rerun_readers, units.capacity)
+        _stage_memory(model, v, fixed, crossing, after, size, rerun_readers, units.capacity)
 
 
-def _movable_closure(
-    sg: SolverGraph, events: Events, reads: Reads, runs: list[list[_Run]], v: int, crossing: list[Part]
-) -> list[int]:
+def stage_cut_bound(
+    sg: SolverGraph, budget_bytes: int, persistent_bytes: int, seconds: float, workers: int = 2
+) -> tuple[float | None, SolveStatus]:
+    """The stage cuts alone (:func:`_stage_cuts`, one re-run flag per node instead of runs):
+    a lower bound on the cost of every plan of the model (in the problem's cost units, the
+    plain step included), or None when the cuts alone have no solution in ``seconds`` (a
+    proof that no plan exists when the status is "infeasible"). Cheap next to the model; it
+    tells whether the cuts bound anything the trivial bound (the plain step) does not."""
+    reads = node_reads(sg)
+    events = build_events(sg, reads)
+    model = cp_model.CpModel()
+    rerun = [model.new_bool_var(f"y{k}") for k in range(sg.size)]
+
+    def again(p: int, _event: int) -> cp_model.IntVar:
+        b = model.new_bool_var("")
+        model.add_implication(b, rerun[p])
+        return b
+
+    _stage_cuts(model, sg, events, reads, memory_units(sg, budget_bytes, persistent_bytes), again)
+    costs, unit = cost_scale(sg.cost)
+    model.minimize(sum(c * y for c, y in zip(costs, rerun, strict=True)))
+    _, status = solve_cp_sat(model, seconds, workers=workers)
+    plain = sum(costs)
+    bound = None if status.bound is None else (plain + status.bound) * unit
+    return bound, status
+
+
+def _movable_closure(events: Events, reads: Reads, v: int, crossing: list[Part]) -> list[int]:
     """Nodes before ``v`` that may run again after ``v``'s first run and whose outputs matter
     there: producers of parts crossing ``v``, and the producers of what their re-runs read."""
+
     def movable(p: int) -> bool:
-        return len(runs[p]) > 1 and events.latest(p) > events.first(v)
+        return bool(events.recompute[p]) and events.latest(p) > events.first(v)
 
     found: set[int] = set()
     stack = [p for p, _ in crossing if movable(p)]
@@ -606,11 +643,18 @@ def solve_moccasin(
     a node's first run may move to a later stage, i.e. later in the order. The decisions still
     list node ``t`` in stage ``t`` (Checkmate's ``R[t, t] = 1``); the lowering drops that run
     since nobody reads it (:func:`memplan.remat.lower.lower`), so the plan runs the node first
-    where the model put it."""
+    where the model put it.
+
+    Without ``defer``, the stage cuts (:func:`_stage_cuts`) are first solved alone
+    (:func:`stage_cut_bound`, :data:`CUT_PROBE_SECONDS`); they join the model when their bound
+    is above the plain step by more than :data:`CUTS_MIN_GAIN`, and their bound counts in the
+    answer's bound either way."""
     start = time.perf_counter()
     limit = problem.time_limit_seconds if time_limit_seconds is None else time_limit_seconds
     details: dict[str, object] = {"formulation": "moccasin", "phase1": None}
-    cm = build_model(sg, problem.budget_bytes, problem.graph.persistent_bytes, runs_per_node, defer)
+    cut_bound, cuts = _probe_cuts(problem, sg, runs_per_node, defer, limit)
+    details.update(cut_bound=cut_bound, stage_cuts=cuts)
+    cm = build_model(sg, problem.budget_bytes, problem.graph.persistent_bytes, runs_per_node, defer, stage_cuts=cuts)
     hinted = add_hints(cm, sg, hint_rows) if hint_rows is not None else False
     # CP-SAT's presolve spends tens of seconds on the larger models for little gain
     parameters: dict[str, object] = {"cp_model_presolve": False, "relative_gap_limit": gap_limit}
@@ -622,10 +666,12 @@ def solve_moccasin(
         left = limit - (time.perf_counter() - start)
         rows, details["phase1"] = _phase1(problem, sg, start_rows, runs_per_node, left * PHASE1_SHARE, defer)
         if rows is not None:
-            cm = build_model(sg, problem.budget_bytes, problem.graph.persistent_bytes, runs_per_node, defer)
+            cm = build_model(
+                sg, problem.budget_bytes, problem.graph.persistent_bytes, runs_per_node, defer, stage_cuts=cuts
+            )
             hinted = add_hints(cm, sg, rows)
             solver, status = _solve(cm, problem, limit - (time.perf_counter() - start), parameters, None)
-    status = _in_cost_units(status, cm.cost_unit)
+    status = _with_bound(_in_cost_units(status, cm.cost_unit), cut_bound)
     details.update(
         events=cm.events.horizon - 1,
         hinted=hinted,
@@ -640,6 +686,34 @@ def solve_moccasin(
     plan.gap = status.gap
     plan.seconds = time.perf_counter() - start
     return plan, status, details
+
+
+CUT_PROBE_SECONDS = 2.0
+"""The stage cuts alone are solved for at most this long (and a tenth of the time limit)."""
+CUTS_MIN_GAIN = 0.01
+"""The stage cuts join the model when they alone prove 1% of compute above the plain step:
+below that they slow the search for a first plan (vgg16 at 0.8: 5 s instead of 1 s) for a
+bound that the gap limit hardly needs."""
+
+
+def _probe_cuts(
+    problem: RematProblem, sg: SolverGraph, runs_per_node: int, defer: bool, limit: float
+) -> tuple[float | None, bool]:
+    """The stage cuts' own bound (None without one) and whether they join the model."""
+    if defer or runs_per_node < 2:
+        return None, False
+    seconds = min(CUT_PROBE_SECONDS, 0.1 * limit)
+    bound, _ = stage_cut_bound(sg, problem.budget_bytes, problem.graph.persistent_bytes, seconds, problem.workers)
+    return bound, bound is not None and bound > (1 + CUTS_MIN_GAIN) * sum(sg.cost)
+
+
+def _with_bound(status: SolveStatus, bound: float | None) -> SolveStatus:
+    """``status`` with the better of its bound and ``bound`` (both valid for the model)."""
+    if bound is None or status.objective is None or (status.bound is not None and status.bound >= bound):
+        return status
+    bound = min(bound, status.objective)
+    gap = (status.objective - bound) / status.objective if status.objective else 0.0
+    return SolveStatus("optimal" if gap <= 0 else status.status, status.objective, bound, gap, status.seconds)
 
 
 def _solve(
