@@ -677,7 +677,7 @@ def solve_moccasin(
         hinted=hinted,
         scope=f"plans with at most {runs_per_node} runs per node of the {sg.size}-node solver graph"
         + (", first runs deferrable" if defer else ", first runs in program order"),
-        bound=status.bound,
+        bound=status.bound if status.bound is not None else cut_bound,
     )
     if status.status not in ("optimal", "feasible"):
         return None, status, details

@@ -216,12 +216,19 @@ class _Portfolio:
         self.attempts.append(
             {**_attempt("moccasin", plan, status.seconds, sg.size), "solver_status": status.status, **details}
         )
-        if status.bound is not None:
-            self.bound, self.scope = status.bound, str(details["scope"])
+        self.take_bound(details.get("bound"), str(details["scope"]), sg)
         self.offer(plan, "moccasin", sg)
         if status.status == "optimal" and plan is not None and self.best is not None:
             # the best plan costs no more than the proven optimum of the CP model's scope
             self.proved_optimal = self.best.compute_cost <= plan.compute_cost
+
+    def take_bound(self, bound: object, scope: str, sg: SolverGraph) -> None:
+        """The CP model's bound (its search's or its stage cuts'), when it speaks for plans over
+        the whole graph; over a coarsened graph only the plain step's cost is a bound."""
+        if isinstance(bound, float | int) and sg.size == self.whole.size:
+            self.bound, self.scope = float(bound), scope
+        elif self.bound is None:
+            self.bound, self.scope = self.problem.plain_cost, "every plan (each op runs at least once)"
 
     def checkmate(self) -> None:
         problem = RematProblem(
