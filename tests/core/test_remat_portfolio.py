@@ -261,6 +261,26 @@ def test_the_portfolio_says_infeasible_only_when_no_plan_exists(
         assert plan.status in ("infeasible", "unknown") and plan.message
 
 
+@pytest.mark.parametrize(("kind", "seed"), TINY)
+def test_the_portfolio_bound_is_below_every_plan_of_its_scope(kind: str, seed: int) -> None:
+    """The bound the gap is taken from (the plain step's cost, the stage cuts', the CP
+    search's or the MILP's) is no more than the cheapest plan in program order with at most
+    two runs per op, and every plan's gap is known."""
+    graph = tiny(kind, seed)
+    plans = all_plans(graph)
+    top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
+    for fraction in CUT_FRACTIONS:
+        budget = int(top * fraction)
+        plan = solve_remat(graph, budget, 3.0, workers=1)
+        in_order = cheapest(plans, budget, 2, in_order=True)
+        if plan.feasible:
+            bound = plan.details["bound"]
+            assert isinstance(bound, float) and plan.gap is not None
+            assert bound >= plan.plain_cost
+            if in_order is not None:
+                assert bound <= in_order, fraction
+
+
 def test_an_unknown_solver_answer_is_never_reported_infeasible() -> None:
     graph = fwd_bwd_chain([4, 6, 5], [3, 1, 2])
     problem = RematProblem(graph, 15)
