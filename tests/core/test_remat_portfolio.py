@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import math
 import random
 from pathlib import Path
 
@@ -18,12 +19,12 @@ from typer.testing import CliRunner
 from memplan.graph.generate import random_dag
 from memplan.graph.io import write_graph_json
 from memplan.graph.ir import Category, Graph, Op, Tensor, TensorId
-from memplan.remat import STRATEGIES, RematProblem, memory_floor, solve_remat, solve_remat_within_overhead
+from memplan.remat import STRATEGIES, RematProblem, memory_floor, moccasin, solve_remat, solve_remat_within_overhead
 from memplan.remat.baselines import BASELINES, checkpoint_all, solver_graph
 from memplan.remat.coarsen import coarsen, identity, refine_rows
 from memplan.remat.lower import InvalidPlan, lower, schedule_from_decisions, sequence_peak_bytes, validate_sequence
 from memplan.remat.milp import _finish
-from memplan.remat.moccasin import _phase1, add_hints, build_model, solve_moccasin
+from memplan.remat.moccasin import _phase1, add_hints, build_model, solve_moccasin, stage_cut_bound
 from memplan.remat.problem import NO_SPLIT, forward_end, run_cost
 from memplan.solvers import solve_cp_sat
 from tests.core.test_remat import _with_flops, fwd_bwd_chain
@@ -143,6 +144,49 @@ def test_moccasin_in_program_order_is_between_brute_force_bounds(kind: str, seed
             assert status.status == "optimal" and status.objective >= plan.compute_cost
 
 
+CUT_FRACTIONS = (1.0, 0.85, 0.7, 0.6)
+
+
+@pytest.mark.parametrize(("kind", "seed"), TINY)
+def test_the_stage_cuts_cut_no_plan(kind: str, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stage cuts are redundant: alone they bound the cheapest plan in program order from
+    below, and in the model (forced in) they leave its optimum where it is without them."""
+    graph = tiny(kind, seed)
+    plans = all_plans(graph)
+    top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
+    for fraction in CUT_FRACTIONS:
+        budget = int(top * fraction)
+        problem = RematProblem(graph, budget, time_limit_seconds=5.0, workers=1)
+        sg = identity(problem)
+        bound, _ = stage_cut_bound(sg, budget, graph.persistent_bytes, 5.0, workers=1)
+        in_order = cheapest(plans, budget, 2, in_order=True)
+        if in_order is not None:
+            assert bound is not None and bound <= in_order
+        optima = []
+        for gain in (-1.0, math.inf):  # cuts always in, never in
+            monkeypatch.setattr(moccasin, "CUTS_MIN_GAIN", gain)
+            _, status, details = solve_moccasin(problem, sg, runs_per_node=2)
+            assert details["stage_cuts"] == (gain < 0 and bound is not None)
+            assert status.status in ("optimal", "infeasible")
+            optima.append(status.objective)
+        assert optima[0] == optima[1], fraction
+        if bound is None:  # the cuts alone have no solution: neither has the model
+            assert optima == [None, None]
+
+
+def test_the_stage_cuts_bound_above_the_plain_step_somewhere() -> None:
+    """The tiny cases above exercise the cuts: on some, they alone prove re-runs necessary."""
+    above = []
+    for kind, seed in TINY:
+        graph = tiny(kind, seed)
+        top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
+        for fraction in CUT_FRACTIONS:
+            problem = RematProblem(graph, int(top * fraction))
+            bound, _ = stage_cut_bound(identity(problem), problem.budget_bytes, 0, 5.0, workers=1)
+            above.append(bound is not None and bound > problem.plain_cost)
+    assert any(above)
+
+
 @pytest.mark.parametrize("budget", [14, 15, 17, 30])  # checkpoint-all peaks at 17
 def test_both_formulations_equal_brute_force_on_a_tiny_chain(budget: int) -> None:
     graph = fwd_bwd_chain([4, 6, 5], [3, 1, 2])
@@ -215,6 +259,26 @@ def test_the_portfolio_says_infeasible_only_when_no_plan_exists(
             assert plan.compute_cost == cheapest(all_plans(graph), budget, 2)
     else:
         assert plan.status in ("infeasible", "unknown") and plan.message
+
+
+@pytest.mark.parametrize(("kind", "seed"), TINY)
+def test_the_portfolio_bound_is_below_every_plan_of_its_scope(kind: str, seed: int) -> None:
+    """The bound the gap is taken from (the plain step's cost, the stage cuts', the CP
+    search's or the MILP's) is no more than the cheapest plan in program order with at most
+    two runs per op, and every plan's gap is known."""
+    graph = tiny(kind, seed)
+    plans = all_plans(graph)
+    top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
+    for fraction in CUT_FRACTIONS:
+        budget = int(top * fraction)
+        plan = solve_remat(graph, budget, 3.0, workers=1)
+        in_order = cheapest(plans, budget, 2, in_order=True)
+        if plan.feasible:
+            bound = plan.details["bound"]
+            assert isinstance(bound, float) and plan.gap is not None
+            assert bound >= plan.plain_cost
+            if in_order is not None:
+                assert bound <= in_order, fraction
 
 
 def test_an_unknown_solver_answer_is_never_reported_infeasible() -> None:

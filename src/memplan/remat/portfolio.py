@@ -20,11 +20,13 @@ The portfolio runs, within one time limit, and keeps the cheapest plan that fits
 Every candidate is lowered, validated (:func:`memplan.remat.lower.validate_sequence`) and
 measured by the one estimator; an invalid one is dropped and noted. The answer has one
 status: "optimal" (a formulation proved its optimum and no plan beats it), "feasible" (a plan
-within the budget, with its gap to the bound of the CP model when there is one),
-"infeasible" (only with a proof: the memory floor, or Checkmate's MILP on a graph of one node
-per op) or "unknown" (no plan within the time limit, and no proof that none exists). The
-bound and gap speak for the scope named in ``details["scope"]``: plans with at most
-``runs_per_node`` runs of each node of the solver graph the CP model decided over.
+within the budget, with its gap to the best bound), "infeasible" (only with a proof: the
+memory floor, or Checkmate's MILP on a graph of one node per op) or "unknown" (no plan within
+the time limit, and no proof that none exists). The bound starts at the plain step's cost
+(every op runs at least once: a baseline's plan within the gap limit of it ends the search at
+once) and is raised by a solver's bound over the whole graph, never by one over a coarsened
+graph; it and the gap speak for the scope named in ``details["scope"]`` (the CP model's: plans
+with at most ``runs_per_node`` runs of each node, first runs in program order).
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ BASELINE_ORDER = (
 """The baselines, the most useful warm starts first."""
 QUICK_BASELINES = ("checkpoint-all", "chen-drop-cheap", "dtr", "linearized-greedy")
 """The baselines that warm-start the CP model over a coarsened graph."""
+
+PLAIN_SCOPE = "every plan (each op runs at least once: the plain step's cost)"
+"""The bound every answer starts with: a plan within the gap limit of it needs no solver."""
 
 Progress = Callable[[str], None]
 
@@ -146,8 +151,8 @@ class _Portfolio:
         self.whole = coarsen(problem, WHOLE)
         self.best: RematSchedule | None = None
         self.attempts: list[dict[str, object]] = []
-        self.bound: float | None = None
-        self.scope = ""
+        self.bound: float | None = problem.plain_cost  # every op runs at least once
+        self.scope = PLAIN_SCOPE
         self.proved_optimal = False
         self.cp_nodes = self.whole.size
         self.sg_of: dict[str, SolverGraph] = {}
@@ -216,12 +221,18 @@ class _Portfolio:
         self.attempts.append(
             {**_attempt("moccasin", plan, status.seconds, sg.size), "solver_status": status.status, **details}
         )
-        if status.bound is not None:
-            self.bound, self.scope = status.bound, str(details["scope"])
+        self.take_bound(details.get("bound"), str(details["scope"]), sg)
         self.offer(plan, "moccasin", sg)
         if status.status == "optimal" and plan is not None and self.best is not None:
             # the best plan costs no more than the proven optimum of the CP model's scope
             self.proved_optimal = self.best.compute_cost <= plan.compute_cost
+
+    def take_bound(self, bound: object, scope: str, sg: SolverGraph) -> None:
+        """A solver's bound (the CP model's: its search's or its stage cuts'), when it speaks for
+        plans over the whole graph and beats the one so far (at first the plain step's cost);
+        a bound over a coarsened graph says nothing about finer plans."""
+        if isinstance(bound, float | int) and sg.size == self.whole.size and bound > (self.bound or 0.0):
+            self.bound, self.scope = float(bound), scope
 
     def checkmate(self) -> None:
         problem = RematProblem(
@@ -242,9 +253,9 @@ class _Portfolio:
         attempt["solver_status"] = plan.details.get("solver_status", plan.status)
         self.attempts.append(attempt)
         kept = self.offer(plan, "checkmate", sg)
-        if kept and self.bound is None and plan.gap is not None:
-            self.bound = plan.compute_cost * (1 - plan.gap)
-            self.scope = f"plans over the {sg.size}-node solver graph of Checkmate's MILP"
+        if kept and plan.gap is not None:
+            scope = "plans in program order (Checkmate's MILP on the whole graph)"
+            self.take_bound(plan.compute_cost * (1 - plan.gap), scope, sg)
         if kept and plan.details.get("solver_status") == "optimal" and sg.size == self.whole.size:
             self.proved_optimal = True
 
