@@ -194,11 +194,13 @@ class _Portfolio:
         return True
 
     def baselines(self) -> None:
-        """Every baseline, the most useful first, until :data:`BASELINE_SHARE` of the time is spent."""
+        """Every baseline, the most useful first, until :data:`BASELINE_SHARE` of the time is spent
+        and some plan is in hand: on a slow or loaded machine a baseline that fits is not skipped
+        for time while the step would otherwise be refused for want of a plan."""
         self.report("baselines")
         deadline = self.start + BASELINE_SHARE * self.problem.time_limit_seconds
         for name in BASELINE_ORDER:
-            if time.perf_counter() > deadline:
+            if time.perf_counter() > deadline and self.best is not None:
                 self.attempts.append({"name": name, "status": "skipped", "message": "the baselines' time is spent"})
                 continue
             began = time.perf_counter()
