@@ -160,12 +160,15 @@ def perfect_rows(families: list[str], sizes: list[int], seeds: int, time_limit_s
 
 
 # Generator settings of section (3), by family: the default (1024 units of 1 KiB, sizes 31-52
-# units), six similar sizes only, and the same shapes on a coarser grid (256 units).
+# units), six similar sizes only, the same shapes on a coarser grid (256 units), and the
+# default with the lifetimes stacked the other way up or in random order in each refill.
 PERFECT: dict[str, dict] = {
     "fine": {},
     "fine-6-sizes": {"num_sizes": 6},
     "coarse": {"height_units": 256, "mean_size_units": 10},
     "coarse-wide": {"height_units": 256, "mean_size_units": 32, "size_spread": 2.0},
+    "long-low": {"stacking": "long-low"},
+    "mixed": {"stacking": "mixed"},
 }
 
 # Generator settings of section (2): wide sizes (mean 32 units of 512 B, 4x either way), holes

@@ -22,7 +22,7 @@ from memplan.placement import (
     solve_exact,
     validate_placement,
 )
-from memplan.placement.generate import GenerationError, perfect_instance, similar_sizes, tight_instance
+from memplan.placement.generate import STACKINGS, GenerationError, perfect_instance, similar_sizes, tight_instance
 from memplan.placement.heuristics import greedy_by_size
 from memplan.placement.search import (
     Cancel,
@@ -318,9 +318,14 @@ def test_tight_instances_are_perfect_packings_greedy_misses() -> None:
     n=st.integers(20, 400),
     num_sizes=st.sampled_from([0, 3, 6]),
     height=st.sampled_from([256, 1024]),
+    stacking=st.sampled_from(STACKINGS),
 )
-def test_perfect_instances_fill_the_capacity_at_every_time(seed: int, n: int, num_sizes: int, height: int) -> None:
-    inst = perfect_instance(seed, n, num_sizes=num_sizes, height_units=height, mean_size_units=height // 24)
+def test_perfect_instances_fill_the_capacity_at_every_time(
+    seed: int, n: int, num_sizes: int, height: int, stacking: str
+) -> None:
+    inst = perfect_instance(
+        seed, n, num_sizes=num_sizes, height_units=height, mean_size_units=height // 24, stacking=stacking
+    )
     problem = inst.problem
     known = Placement(inst.optimal_offsets_bytes, inst.optimal_arena_bytes, "cut", "feasible", 0.0, 0.0, 0)
     validate_placement(problem, known)
@@ -343,3 +348,5 @@ def test_similar_sizes_divide_none_of_each_other() -> None:
         assert all(a % b for a in sizes for b in sizes if a != b)
     with pytest.raises(GenerationError, match="widen the spread"):
         similar_sizes(rng, 10, 4, 1.2)
+    with pytest.raises(GenerationError, match="unknown stacking"):
+        perfect_instance(0, 10, stacking="sideways")

@@ -212,6 +212,7 @@ def perfect_rectangles(
     short_steps: tuple[int, int] = (1, 6),
     long_steps: tuple[int, int] = (20, 200),
     long_share: float = 0.3,
+    stacking: str = "short-low",
 ) -> list[tuple[int, int, int, int]]:
     """A packing of at least ``num_rects`` rectangles (t0, t1, y0, y1) that fills
     ``[0, horizon) x [0, height_units)`` exactly: no gap at any time.
@@ -219,9 +220,11 @@ def perfect_rectangles(
     The sweep of :func:`tight_rectangles` with every refill complete: whenever rectangles end,
     the freed address ranges are merged with each other (new buffers straddle old boundaries)
     and refilled at once with sizes drawn from ``sizes``, the last piece of a range taking the
-    rest; in each refill the shortest lifetimes go lowest, so long-lived buffers lie on top of
-    short-lived ones. The sweep stops once ``num_rects`` rectangles have started; every lifetime
-    is cut at the next end after that (the horizon), before which nothing has ended unrefilled.
+    rest; in each refill the shortest lifetimes go lowest (``stacking="short-low"``), so
+    long-lived buffers lie on top of short-lived ones, or the longest (``"long-low"``), or
+    lifetimes fall in random order (``"mixed"``). The sweep stops once ``num_rects`` rectangles
+    have started; every lifetime is cut at the next end after that (the horizon), before which
+    nothing has ended unrefilled.
     """
     rects: list[tuple[int, int, int, int]] = []
     smallest = min(sizes)
@@ -234,9 +237,9 @@ def perfect_rectangles(
                 size = y1 - y  # the last piece takes the rest
             pieces.append((y, y + size))
             y += size
-        lengths = sorted(
-            rng.randint(*long_steps) if rng.random() < long_share else rng.randint(*short_steps) for _ in pieces
-        )
+        lengths = [rng.randint(*long_steps) if rng.random() < long_share else rng.randint(*short_steps) for _ in pieces]
+        if stacking != "mixed":
+            lengths.sort(reverse=stacking == "long-low")
         rects.extend((t, t + length, a, b) for (a, b), length in zip(pieces, lengths, strict=True))
 
     fill(0, 0, height_units)
@@ -256,6 +259,9 @@ def perfect_rectangles(
     return [(t0, min(t1, horizon), y0, y1) for t0, t1, y0, y1 in rects]
 
 
+STACKINGS = ("short-low", "long-low", "mixed")
+
+
 def perfect_instance(
     seed: int,
     num_buffers: int,
@@ -267,6 +273,7 @@ def perfect_instance(
     num_sizes: int = 0,
     long_steps: tuple[int, int] = (20, 200),
     long_share: float = 0.3,
+    stacking: str = "short-low",
 ) -> Instance:
     """A harder instance than :func:`tight_instance` (issue 13): a perfect packing of a
     ``horizon x height_units`` rectangle by :func:`perfect_rectangles`, so the load equals the
@@ -276,7 +283,8 @@ def perfect_instance(
     ``height_units = 1024`` (MiniMalloc's 1 MiB in KiB), fine-grained: not multiples of each
     other. ``num_sizes > 0`` draws them from that many distinct sizes (:func:`similar_sizes`),
     giving many equal sizes crossing the same sections; 0 allows every size in the range.
-    Long-lived buffers (``long_share`` of them, ``long_steps`` long) lie on short-lived ones.
+    Long-lived buffers (``long_share`` of them, ``long_steps`` long) lie on short-lived ones
+    (``stacking``: see :func:`perfect_rectangles`).
     Every section must tile the capacity exactly. Buffers come in random order; their number is
     ``num_buffers`` or a few more (the last refill is kept whole)."""
     rng = random.Random(seed)
@@ -285,5 +293,9 @@ def perfect_instance(
     else:
         lo, hi = max(1, round(mean_size_units / size_spread)), max(1, round(mean_size_units * size_spread))
         sizes = tuple(range(lo, hi + 1))
-    rects = perfect_rectangles(rng, num_buffers, height_units, sizes, long_steps=long_steps, long_share=long_share)
+    if stacking not in STACKINGS:
+        raise GenerationError(f"unknown stacking {stacking!r}; choose one of {', '.join(STACKINGS)}")
+    rects = perfect_rectangles(
+        rng, num_buffers, height_units, sizes, long_steps=long_steps, long_share=long_share, stacking=stacking
+    )
     return shuffled_instance(rng, rects, height_units, unit_bytes)
