@@ -20,7 +20,10 @@ taking turns with growing node limits), with these rules:
   bounded by buffers that outlive them (or by 0 and the capacity), must measure a sum of the
   sizes starting at ``e`` (the section inference of this sweep);
 * interchangeable buffers (:attr:`HoleFillOptions.interchangeable`): buffers with the same
-  size and lifetime are tried in one order only.
+  size and lifetime are tried in one order only;
+* failed states (:attr:`HoleFillOptions.failed_states`): what is left to do at a time depends
+  only on the offsets of the buffers live then, so a time reached again with the same live
+  offsets as a failed visit fails again (a no-good, remembered for the rest of the run).
 
 Stacking from the bottom of a hole is complete when there is no slack (every hole is
 covered exactly) and a heuristic otherwise (empty space lies only at the top of holes).
@@ -32,7 +35,7 @@ from __future__ import annotations
 import itertools
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 
 from memplan.placement.problem import Placement, PlacementProblem, arena_bytes
@@ -58,6 +61,7 @@ class HoleFillOptions:
 
     exact_refills: bool = True  # a closed run of buffers ending together must be refillable exactly
     interchangeable: bool = True  # buffers of one size and lifetime are tried in one order only
+    failed_states: bool = True  # a time reached again with the same live offsets fails again
 
     @classmethod
     def flag_names(cls) -> tuple[str, ...]:
@@ -71,6 +75,14 @@ class HoleFill:
 
     offsets_units: tuple[int, ...] | None
     nodes: int
+
+
+def subset_sums(sizes: Iterable[int]) -> int:
+    """The sums of all subsets of ``sizes``, as a bit set (bit ``s`` set: ``s`` is one)."""
+    bits = 1
+    for size in sizes:
+        bits |= bits << size
+    return bits
 
 
 class _Stop(Exception):
@@ -90,8 +102,15 @@ class _Sweep:
         order: str = "short-low",
         stop: Callable[[], bool] = lambda: False,
         options: HoleFillOptions = HoleFillOptions(),
+        failed: set[tuple[int, int, int]] | None = None,
     ) -> None:
         self.stop, self.options = stop, options
+        # No-goods: (time index, number of live buffers, 64-bit hash of their (buffer, offset)
+        # pairs) that failed. They hold whatever the node limit, so a later round of the same
+        # order starts with them. Two live sets sharing a key (odds about 2**-64) could only
+        # hide a placement, never make a wrong one.
+        self.failed = set() if failed is None else failed
+        self.live_load = self.live_hash = 0
         self.sizes, self.lives, self.capacity = sizes, lives, capacity
         self.deadline, self.nodes_left, self.nodes = deadline, max_nodes, 0
         self.offsets = [0] * len(sizes)
@@ -103,6 +122,7 @@ class _Sweep:
         key = ORDERS[order]
         self.starting = [sorted(starting[t], key=lambda b: key(sizes[b], lives[b][1], b)) for t in self.times]
         self.live: list[int] = []  # placed buffers not yet ended, in no order
+        self.starting_load = [sum(sizes[b] for b in group) for group in self.starting]
         self.ends = [end for _, end in lives]
         self.by_top: dict[int, int] = {}  # live placed buffers by their top (unique while no hole lies under it)
         self.by_bottom: dict[int, int] = {}
@@ -123,18 +143,13 @@ class _Sweep:
             if before == self.capacity and load == self.capacity:
                 tight.add(t)
             before = load
-        reach = {}
-        for k, t in enumerate(self.times):
-            bits = 1
-            for b in self.starting[k]:
-                bits |= bits << self.sizes[b]
-            reach[t] = bits
-        return reach, tight
+        return {t: subset_sums(self.sizes[b] for b in self.starting[k]) for k, t in enumerate(self.times)}, tight
 
     def _run_fits(self, b: int) -> bool:
         """Exact refills: if the buffers ending when ``b`` ends and stacked with it form a run
         bounded by buffers that outlive them (or by 0 and the capacity), the buffers starting
-        then must be able to fill that run exactly."""
+        then must be able to fill that run exactly. A run still open (a neighbour ends sooner,
+        or is not placed yet) may grow: nothing is checked."""
         end = self.ends[b]
         if not self.options.exact_refills or end not in self.tight:
             return True
@@ -143,7 +158,7 @@ class _Sweep:
         while self.offsets[a] > 0:  # down
             a = self.by_top.get(self.offsets[a], -1)
             if a < 0 or self.ends[a] < end:
-                return True  # open below: more may join the run later
+                return True
             if self.ends[a] > end:
                 break
             total += self.sizes[a]
@@ -180,8 +195,12 @@ class _Sweep:
         for b in ended:
             self._forget(b)
         todo = self.starting[k]
-        slack = self.capacity - sum(self.sizes[b] for b in kept) - sum(self.sizes[b] for b in todo)
-        ok = slack >= 0 and self._fill(k, self._holes(kept), 0, None, list(todo), slack)
+        slack = self.capacity - self.live_load - self.starting_load[k]
+        state = (k, len(kept), self.live_hash) if self.options.failed_states else None
+        ok = state not in self.failed and slack >= 0
+        ok = ok and self._fill(k, self._holes(), 0, None, list(todo), slack)
+        if not ok and state is not None:
+            self.failed.add(state)
         for b in ended:
             self._remember(b)
         self.live = saved
@@ -190,10 +209,14 @@ class _Sweep:
     def _remember(self, b: int) -> None:
         self.by_top[self.offsets[b] + self.sizes[b]] = b
         self.by_bottom[self.offsets[b]] = b
+        self.live_load += self.sizes[b]
+        self.live_hash ^= hash((b, self.offsets[b]))
 
     def _forget(self, b: int) -> None:
         del self.by_top[self.offsets[b] + self.sizes[b]]
         del self.by_bottom[self.offsets[b]]
+        self.live_load -= self.sizes[b]
+        self.live_hash ^= hash((b, self.offsets[b]))
 
     def _fits_around(self, b: int) -> bool:
         """The exact-refill test on the runs of ``b`` and of the buffers just under and over it."""
@@ -201,13 +224,13 @@ class _Sweep:
         over = self.by_bottom.get(self.offsets[b] + self.sizes[b], -1)
         return all(self._run_fits(x) for x in (b, under, over) if x >= 0)
 
-    def _holes(self, live: list[int]) -> list[tuple[int, int]]:
-        """The free address ranges under the capacity around ``live``, lowest first."""
+    def _holes(self) -> list[tuple[int, int]]:
+        """The free address ranges under the capacity around the live buffers, lowest first."""
         holes, level = [], 0
-        for b in sorted(live, key=lambda b: self.offsets[b]):
-            if self.offsets[b] > level:
-                holes.append((level, self.offsets[b]))
-            level = max(level, self.offsets[b] + self.sizes[b])
+        for bottom in sorted(self.by_bottom):  # live buffers never overlap
+            if bottom > level:
+                holes.append((level, bottom))
+            level = bottom + self.sizes[self.by_bottom[bottom]]
         if level < self.capacity:
             holes.append((level, self.capacity))
         return holes
@@ -261,6 +284,7 @@ def fill_holes(
     doubles every round. ``stop()`` returning True ends the search (polled with the clock)."""
     nodes_left = sys.maxsize if max_nodes is None else max_nodes
     spent, node_limit = 0, len(sizes_units)
+    failed: dict[str, set[tuple[int, int, int]]] = {order: set() for order in orders}
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, 8 * len(sizes_units) + 1000))
     try:
@@ -268,7 +292,9 @@ def fill_holes(
             node_limit *= 2
             for order in orders:
                 nodes = min(node_limit, nodes_left)
-                search = _Sweep(sizes_units, lives, capacity_units, deadline, nodes, order, stop, options)
+                search = _Sweep(
+                    sizes_units, lives, capacity_units, deadline, nodes, order, stop, options, failed[order]
+                )
                 try:
                     found = search.run()
                 except _Stop:
