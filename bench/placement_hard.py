@@ -207,7 +207,7 @@ def _perfect_line(r: PerfectRow) -> str:
     return (
         f"| {r.family} | {r.buffers} | {r.seed} | {opt} | {_excess(r.greedy_bytes, opt)} | "
         f"{_excess(r.free.arena_bytes, opt)} | {_run(r.free)} | "
-        f"{_excess(r.capped.arena_bytes, opt)} | {_run(r.capped)} |"
+        f"{_excess(r.capped.arena_bytes, opt)} | {_run(r.capped)} | {r.capped.method} |"
     )
 
 
@@ -224,12 +224,13 @@ def render_perfect(rows: list[PerfectRow], args: argparse.Namespace) -> list[str
         "complete (section (2) leaves 30% of refills short), so every section must tile the capacity exactly.",
         "`no capacity`: `place(problem,",
         f"time_limit_seconds={args.perfect_time_limit})`, 2 workers; `capacity = optimum`: the same with the capacity",
-        "given ('unknown' = nothing within it found; the arena shown is then the best found above it).",
+        "given ('unknown' = nothing within it found; the arena shown is then the best found above it);",
+        "`method`: what found the arena with the capacity given (`hole-filling`: `memplan.placement.holefill`).",
         "Excess over the optimum; seconds are wall time on a shared, noisy 2-core machine.",
         "",
         "| family | buffers | seed | optimum (B) | greedy | no capacity: excess | status | seconds "
-        "| capacity = optimum: excess | status | seconds |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| capacity = optimum: excess | status | seconds | method |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
         *[_perfect_line(r) for r in rows],
         "",
         f"Reached the optimum: no capacity {reached_free}/{len(rows)}, capacity given {reached_capped}/{len(rows)}.",

@@ -58,7 +58,7 @@ REPAIR_SHARE = 0.7
 # Hole filling along time runs first in the stages, with this share of the time left, on
 # problems whose load equals the lower bound at least this share of the time: it is complete
 # where there is no slack, and its branching grows with the slack.
-HOLEFILL_SHARE = 0.3
+HOLEFILL_SHARE = 0.5
 HOLEFILL_MIN_TIGHT = 0.85
 # A CP-SAT stage is skipped when fewer seconds than this are left: loading a model of
 # thousands of rectangles alone takes a good part of a second.
