@@ -61,6 +61,7 @@ class HoleFillOptions:
 
     exact_refills: bool = True  # a closed run of buffers ending together must be refillable exactly
     interchangeable: bool = True  # buffers of one size and lifetime are tried in one order only
+    chained_runs: bool = True  # a run can grow past a neighbour only along a chain of buffers ending there
     failed_states: bool = True  # a time reached again with the same live offsets fails again
 
     @classmethod
@@ -127,6 +128,28 @@ class _Sweep:
         self.by_top: dict[int, int] = {}  # live placed buffers by their top (unique while no hole lies under it)
         self.by_bottom: dict[int, int] = {}
         self.reach, self.tight = self._exact_refills(placed)
+        self.chain = self._chains(placed)
+        self.now = 0
+
+    def _chains(self, placed: list[int]) -> dict[int, int]:
+        """Per time ``s``: the times (a bit set, bit ``t`` for time ``t``) at which a chain of
+        buffers ends, the first starting at ``s`` and each next one when the last ends, with
+        the load at the capacity at every link (so the space a buffer frees is taken at once
+        by the next). Where the load is below the capacity, space may stay empty and be taken
+        later by anything: every later time."""
+        starting: dict[int, list[int]] = {}
+        for b in placed:
+            starting.setdefault(self.lives[b][0], []).append(self.lives[b][1])
+        chain: dict[int, int] = {}
+        for t in sorted({t for b in placed for t in self.lives[b]}, reverse=True):
+            if t not in self.tight:
+                chain[t] = -1 << (t + 1)  # every later time
+                continue
+            bits = 0
+            for end in starting.get(t, []):
+                bits |= 1 << end | chain.get(end, 0)
+            chain[t] = bits
+        return chain
 
     def _exact_refills(self, placed: list[int]) -> tuple[dict[int, int], set[int]]:
         """Per start time ``e``: the subset sums of the sizes starting there (a bit set), and
@@ -148,8 +171,9 @@ class _Sweep:
     def _run_fits(self, b: int) -> bool:
         """Exact refills: if the buffers ending when ``b`` ends and stacked with it form a run
         bounded by buffers that outlive them (or by 0 and the capacity), the buffers starting
-        then must be able to fill that run exactly. A run still open (a neighbour ends sooner,
-        or is not placed yet) may grow: nothing is checked."""
+        then must be able to fill that run exactly. A side still open (its neighbour ends
+        sooner, or is not placed yet) may let the run grow, unless (``chained_runs``) no chain
+        of buffers, each starting when the last ends, leads from there to the run's end."""
         end = self.ends[b]
         if not self.options.exact_refills or end not in self.tight:
             return True
@@ -157,20 +181,36 @@ class _Sweep:
         a = b
         while self.offsets[a] > 0:  # down
             a = self.by_top.get(self.offsets[a], -1)
-            if a < 0 or self.ends[a] < end:
+            if self._may_grow(a, end):
                 return True
-            if self.ends[a] > end:
+            if self._bounds(a, end):
                 break
             total += self.sizes[a]
         a = b
         while self.offsets[a] + self.sizes[a] < self.capacity:  # up
             a = self.by_bottom.get(self.offsets[a] + self.sizes[a], -1)
-            if a < 0 or self.ends[a] < end:
+            if self._may_grow(a, end):
                 return True
-            if self.ends[a] > end:
+            if self._bounds(a, end):
                 break
             total += self.sizes[a]
         return bool(self.reach[end] >> total & 1)
+
+    def _bounds(self, a: int, end: int) -> bool:
+        """Whether neighbour ``a`` (or what follows it, see :meth:`_may_grow`) ends a run of
+        buffers ending at ``end``."""
+        return a < 0 or self.ends[a] != end
+
+    def _may_grow(self, a: int, end: int) -> bool:
+        """Whether a run ending at ``end`` may grow past neighbour ``a`` (-1: space not filled
+        yet at this time): ``a`` ends sooner (or is missing) and, with ``chained_runs``, some
+        chain of buffers starting where it ends (or now) reaches ``end``."""
+        if a >= 0 and self.ends[a] >= end:
+            return False
+        if not self.options.chained_runs:
+            return True
+        since = self.now if a < 0 else self.ends[a]
+        return bool(self.chain.get(since, -1) >> end & 1)
 
     def run(self) -> bool:
         return self._event(0)
@@ -188,7 +228,8 @@ class _Sweep:
         if k == len(self.times):
             return True
         self._tick()
-        t = self.times[k]
+        before, t = self.now, self.times[k]
+        self.now = t
         kept = [b for b in self.live if self.lives[b][1] > t]
         ended = [b for b in self.live if self.lives[b][1] <= t]
         saved, self.live = self.live, kept
@@ -203,7 +244,7 @@ class _Sweep:
             self.failed.add(state)
         for b in ended:
             self._remember(b)
-        self.live = saved
+        self.live, self.now = saved, before
         return ok
 
     def _remember(self, b: int) -> None:
