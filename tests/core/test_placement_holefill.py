@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from memplan.placement import Placement, PlacementProblem, solve_exact, validate_placement
 from memplan.placement.generate import perfect_instance
-from memplan.placement.holefill import ORDERS, HoleFillOptions, fill_at_bound, fill_holes, tight_share
+from memplan.placement.holefill import ORDERS, HoleFillOptions, applies, fill_at_bound, fill_holes, tight_share
 from tests.core.naive import naive_fits
 
 FLAGS = HoleFillOptions.flag_names()
@@ -153,6 +153,8 @@ def test_solve_exact_tries_it_on_tight_problems_only() -> None:
     assert tight_share(inst.problem) == 1.0
     dip = PlacementProblem.from_intervals([4, 4, 2], [(0, 4), (0, 2), (2, 4)])
     assert tight_share(dip) == 0.5  # load 8 then 6
+    assert applies(dip)
+    assert not applies(PlacementProblem.from_intervals([70_000, 1], [(0, 1), (0, 1)]))  # 70 001 units
 
 
 def test_the_stop_callback_ends_the_search_unfound() -> None:

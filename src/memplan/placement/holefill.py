@@ -38,11 +38,14 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 
-from memplan.placement.problem import Placement, PlacementProblem, arena_bytes
+from memplan.placement.problem import Placement, PlacementProblem, arena_bytes, unit_bytes
 from memplan.placement.search import problem_units
 
 # Nodes between two looks at the clock.
 CLOCK_EVERY = 1024
+# The subset sums of the sizes starting at each time are bit sets of as many bits as the
+# capacity has units; larger capacities are left to the other stages.
+MAX_CAPACITY_UNITS = 1 << 16
 
 # The order in which a hole's candidates are tried, bottom up (key of size, end, index): the
 # earliest-ending lowest, the latest-ending lowest, the largest lowest. Tried in turn with node
@@ -125,7 +128,7 @@ class _Sweep:
         self.live: list[int] = []  # placed buffers not yet ended, in no order
         self.starting_load = [sum(sizes[b] for b in group) for group in self.starting]
         self.ends = [end for _, end in lives]
-        self.by_top: dict[int, int] = {}  # live placed buffers by their top (unique while no hole lies under it)
+        self.by_top: dict[int, int] = {}  # live placed buffers by their top (unique: they do not overlap)
         self.by_bottom: dict[int, int] = {}
         self.reach, self.tight = self._exact_refills(placed)
         self.chain = self._chains(placed)
@@ -136,18 +139,20 @@ class _Sweep:
         buffers ends, the first starting at ``s`` and each next one when the last ends, with
         the load at the capacity at every link (so the space a buffer frees is taken at once
         by the next). Where the load is below the capacity, space may stay empty and be taken
-        later by anything: every later time."""
+        later by anything: every later time. Bit ``i`` stands for the ``i``-th time."""
         starting: dict[int, list[int]] = {}
         for b in placed:
             starting.setdefault(self.lives[b][0], []).append(self.lives[b][1])
+        times = sorted({t for b in placed for t in self.lives[b]})
+        self.rank = {t: i for i, t in enumerate(times)}
         chain: dict[int, int] = {}
-        for t in sorted({t for b in placed for t in self.lives[b]}, reverse=True):
+        for t in reversed(times):
             if t not in self.tight:
-                chain[t] = -1 << (t + 1)  # every later time
+                chain[t] = -1 << (self.rank[t] + 1)  # every later time
                 continue
             bits = 0
             for end in starting.get(t, []):
-                bits |= 1 << end | chain.get(end, 0)
+                bits |= 1 << self.rank[end] | chain[end]
             chain[t] = bits
         return chain
 
@@ -210,7 +215,7 @@ class _Sweep:
         if not self.options.chained_runs:
             return True
         since = self.now if a < 0 else self.ends[a]
-        return bool(self.chain.get(since, -1) >> end & 1)
+        return bool(self.chain[since] >> self.rank[end] & 1)
 
     def run(self) -> bool:
         return self._event(0)
@@ -351,9 +356,12 @@ def fill_holes(
 
 
 def applies(problem: PlacementProblem) -> bool:
-    """Interval problems without fixed offsets or contiguous groups."""
+    """Interval problems without fixed offsets or contiguous groups, whose lower bound is at
+    most :data:`MAX_CAPACITY_UNITS` units."""
     interval = problem.is_interval and problem.lifetimes is not None
-    return interval and not problem.fixed_offsets and not problem.contiguous
+    if not interval or problem.fixed_offsets or problem.contiguous:
+        return False
+    return problem.lower_bound_bytes <= MAX_CAPACITY_UNITS * unit_bytes(problem)
 
 
 def tight_share(problem: PlacementProblem) -> float:
