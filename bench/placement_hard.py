@@ -10,6 +10,10 @@
 (2) Tight packings from ``memplan.placement.generate.tight_instance`` (capacity = lower bound
     = optimum, known by construction): greedy by size, the heuristic portfolio, the solver
     before the canonical search, and ``place`` now.
+(3) Perfect packings from ``memplan.placement.generate.perfect_instance`` (issue 13: the load
+    equals the capacity at every time, similar fine-grained sizes, long-lived buffers on short
+    ones): ``place`` with no capacity and with capacity = optimum, per family of generator
+    settings (``--perfect-families``, names from ``PERFECT``).
 
 Regenerate: python bench/placement_hard.py --out bench/results/placement_hard.md
 """
@@ -31,7 +35,7 @@ from memplan.placement import (
     solve_exact,
     validate_placement,
 )
-from memplan.placement.generate import tight_instance
+from memplan.placement.generate import perfect_instance, tight_instance
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_INSTANCES = ROOT.parent / "shared" / "benchmarks" / "minimalloc-challenging"
@@ -68,6 +72,17 @@ class TightRow:
     portfolio_bytes: int
     before: Run
     now: Run
+
+
+@dataclass
+class PerfectRow:
+    family: str
+    buffers: int
+    seed: int
+    optimum_bytes: int
+    greedy_bytes: int
+    free: Run  # no capacity
+    capped: Run  # capacity = optimum
 
 
 def timed(problem: PlacementProblem, time_limit_seconds: float, *, search: bool = True) -> Run:
@@ -124,6 +139,38 @@ def tight_rows(sizes: list[int], seeds: int, time_limit_seconds: float) -> list[
     return rows
 
 
+def perfect_rows(families: list[str], sizes: list[int], seeds: int, time_limit_seconds: float) -> list[PerfectRow]:
+    rows = []
+    for family in families:
+        for n in sizes:
+            for seed in range(seeds):
+                inst = perfect_instance(seed, n, **PERFECT[family])
+                row = PerfectRow(
+                    family,
+                    inst.problem.num_buffers,
+                    seed,
+                    inst.optimal_arena_bytes,
+                    greedy_by_size(inst.problem).arena_bytes,
+                    timed(inst.problem, time_limit_seconds),
+                    timed(replace(inst.problem, capacity_bytes=inst.optimal_arena_bytes), time_limit_seconds),
+                )
+                rows.append(row)
+                print(_perfect_line(row), flush=True)
+    return rows
+
+
+# Generator settings of section (3), by family: the default (1024 units of 1 KiB, sizes 31-52
+# units), six similar sizes only, the same shapes on a coarser grid (256 units), and the
+# default with the lifetimes stacked the other way up or in random order in each refill.
+PERFECT: dict[str, dict] = {
+    "fine": {},
+    "fine-6-sizes": {"num_sizes": 6},
+    "coarse": {"height_units": 256, "mean_size_units": 10},
+    "coarse-wide": {"height_units": 256, "mean_size_units": 32, "size_spread": 2.0},
+    "long-low": {"stacking": "long-low"},
+    "mixed": {"stacking": "mixed"},
+}
+
 # Generator settings of section (2): wide sizes (mean 32 units of 512 B, 4x either way), holes
 # in a third of the refills, long-lived buffers of 20-200 steps on top of short ones.
 TIGHT = {"height_units": 256, "mean_size_units": 32, "size_spread": 4.0, "hole_share": 0.3, "long_steps": (20, 200)}
@@ -155,7 +202,49 @@ def _tight_line(r: TightRow) -> str:
     )
 
 
-def render(challenge: list[ChallengeRow], tight: list[TightRow], args: argparse.Namespace, command: str) -> str:
+def _perfect_line(r: PerfectRow) -> str:
+    opt = r.optimum_bytes
+    return (
+        f"| {r.family} | {r.buffers} | {r.seed} | {opt} | {_excess(r.greedy_bytes, opt)} | "
+        f"{_excess(r.free.arena_bytes, opt)} | {_run(r.free)} | "
+        f"{_excess(r.capped.arena_bytes, opt)} | {_run(r.capped)} | {r.capped.method} |"
+    )
+
+
+def render_perfect(rows: list[PerfectRow], args: argparse.Namespace) -> list[str]:
+    reached_free = sum(r.free.arena_bytes == r.optimum_bytes for r in rows)
+    reached_capped = sum(r.capped.arena_bytes == r.optimum_bytes for r in rows)
+    settings = ", ".join(f"`{name}`: `{PERFECT[name]}`" for name in args.perfect_families)
+    return [
+        "## (3) Generated perfect packings (load = capacity at every time; optimum = lower bound)",
+        "",
+        "`memplan.placement.generate.perfect_instance(seed, buffers, **PERFECT[family])`, settings beyond the",
+        f"defaults: {settings}. Defaults: 1024 units of 1024 B (MiniMalloc's 1 MiB), sizes",
+        "31-52 units, long-lived buffers (30%, 20-200 steps) on short-lived ones (1-6 steps); every refill is",
+        "complete (section (2) leaves 30% of refills short), so every section must tile the capacity exactly.",
+        "`no capacity`: `place(problem,",
+        f"time_limit_seconds={args.perfect_time_limit})`, 2 workers; `capacity = optimum`: the same with the capacity",
+        "given ('unknown' = nothing within it found; the arena shown is then the best found above it);",
+        "`method`: what found the arena with the capacity given (`hole-filling`: `memplan.placement.holefill`).",
+        "Excess over the optimum; seconds are wall time on a shared, noisy 2-core machine.",
+        "",
+        "| family | buffers | seed | optimum (B) | greedy | no capacity: excess | status | seconds "
+        "| capacity = optimum: excess | status | seconds | method |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *[_perfect_line(r) for r in rows],
+        "",
+        f"Reached the optimum: no capacity {reached_free}/{len(rows)}, capacity given {reached_capped}/{len(rows)}.",
+        "",
+    ]
+
+
+def render(
+    challenge: list[ChallengeRow],
+    tight: list[TightRow],
+    perfect: list[PerfectRow],
+    args: argparse.Namespace,
+    command: str,
+) -> str:
     lines = ["# Placement on hard instances", "", f"Regenerate: `{command}`", ""]
     if challenge:
         fitting = sum(r.free.arena_bytes <= CAPACITY_BYTES for r in challenge)
@@ -203,6 +292,8 @@ def render(challenge: list[ChallengeRow], tight: list[TightRow], args: argparse.
             f"{solved_before}/{len(tight)}.",
             "",
         ]
+    if perfect:
+        lines += render_perfect(perfect, args)
     return "\n".join(lines)
 
 
@@ -217,6 +308,10 @@ def main() -> None:
     parser.add_argument("--tight-seeds", type=int, default=3)
     parser.add_argument("--tight-time-limit", type=float, default=10.0)
     parser.add_argument("--skip-challenging", action="store_true")
+    parser.add_argument("--perfect-families", nargs="*", default=list(PERFECT), choices=list(PERFECT))
+    parser.add_argument("--perfect-sizes", type=int, nargs="*", default=[150, 300, 500])
+    parser.add_argument("--perfect-seeds", type=int, default=2)
+    parser.add_argument("--perfect-time-limit", type=float, default=9.0)
     args = parser.parse_args()
     command = "python bench/placement_hard.py " + " ".join(sys.argv[1:])
     if not args.skip_challenging and not all(
@@ -231,8 +326,9 @@ def main() -> None:
         [] if args.skip_challenging else challenge_rows(args.instances, args.names, args.time_limit, not args.no_before)
     )
     tight = tight_rows(args.tight_sizes, args.tight_seeds, args.tight_time_limit)
+    perfect = perfect_rows(args.perfect_families, args.perfect_sizes, args.perfect_seeds, args.perfect_time_limit)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(render(challenge, tight, args, command.strip()))
+    args.out.write_text(render(challenge, tight, perfect, args, command.strip()))
     print(f"wrote {args.out}; regenerate with: {command.strip()}")
 
 

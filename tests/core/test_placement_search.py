@@ -22,7 +22,7 @@ from memplan.placement import (
     solve_exact,
     validate_placement,
 )
-from memplan.placement.generate import tight_instance
+from memplan.placement.generate import STACKINGS, GenerationError, perfect_instance, similar_sizes, tight_instance
 from memplan.placement.heuristics import greedy_by_size
 from memplan.placement.search import (
     Cancel,
@@ -310,3 +310,43 @@ def test_tight_instances_are_perfect_packings_greedy_misses() -> None:
         assert problem.lower_bound_bytes == inst.optimal_arena_bytes
         assert all(s % 512 == 0 for s in problem.sizes_bytes) and problem.alignment_bytes == 512
         assert greedy_by_size(problem).arena_bytes > inst.optimal_arena_bytes
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    n=st.integers(20, 400),
+    num_sizes=st.sampled_from([0, 3, 6]),
+    height=st.sampled_from([256, 1024]),
+    stacking=st.sampled_from(STACKINGS),
+)
+def test_perfect_instances_fill_the_capacity_at_every_time(
+    seed: int, n: int, num_sizes: int, height: int, stacking: str
+) -> None:
+    inst = perfect_instance(
+        seed, n, num_sizes=num_sizes, height_units=height, mean_size_units=height // 24, stacking=stacking
+    )
+    problem = inst.problem
+    known = Placement(inst.optimal_offsets_bytes, inst.optimal_arena_bytes, "cut", "feasible", 0.0, 0.0, 0)
+    validate_placement(problem, known)
+    assert problem.lower_bound_bytes == inst.optimal_arena_bytes == height * 1024
+    assert problem.num_buffers >= n
+    assert problem.lifetimes is not None
+    horizon = max(end for _, end in problem.lifetimes)
+    load = [0] * horizon
+    for size, (start, end) in zip(problem.sizes_bytes, problem.lifetimes, strict=True):
+        for t in range(start, end):
+            load[t] += size
+    assert set(load) == {inst.optimal_arena_bytes}  # no gap anywhere: every section tiles exactly
+
+
+def test_similar_sizes_divide_none_of_each_other() -> None:
+    rng = random.Random(0)
+    for count in (2, 6, 10):
+        sizes = similar_sizes(rng, count, 40, 1.3)
+        assert len(set(sizes)) == count and all(31 <= s <= 52 for s in sizes)
+        assert all(a % b for a in sizes for b in sizes if a != b)
+    with pytest.raises(GenerationError, match="widen the spread"):
+        similar_sizes(rng, 10, 4, 1.2)
+    with pytest.raises(GenerationError, match="unknown stacking"):
+        perfect_instance(0, 10, stacking="sideways")

@@ -39,6 +39,8 @@ from ortools.sat.python import cp_model
 
 from memplan.placement import native
 from memplan.placement.heuristics import Blocks, make_blocks, portfolio, pyramid_offsets
+from memplan.placement.holefill import applies as holefill_applies
+from memplan.placement.holefill import fill_at_bound, tight_share
 from memplan.placement.problem import Placement, PlacementProblem, arena_bytes
 from memplan.placement.repair import applies as repair_applies
 from memplan.placement.repair import reach_bound
@@ -53,6 +55,11 @@ from memplan.solvers import SolveStatus, solve_cp_sat, stopping
 SEARCH_SHARE = 0.7
 ROLL_SHARE = 0.4
 REPAIR_SHARE = 0.7
+# Hole filling along time runs first in the stages, with this share of the time left, on
+# problems whose load equals the lower bound at least this share of the time: it is complete
+# where there is no slack, and its branching grows with the slack.
+HOLEFILL_SHARE = 0.5
+HOLEFILL_MIN_TIGHT = 0.85
 # A CP-SAT stage is skipped when fewer seconds than this are left: loading a model of
 # thousands of rectangles alone takes a good part of a second.
 MIN_STAGE_SECONDS = 0.25
@@ -194,6 +201,7 @@ def solve_exact(
     repair: bool = True,
     start: Placement | None = None,
     search: bool = True,
+    hole_filling: bool = True,
 ) -> Placement:
     """Minimise the arena (within ``problem.capacity_bytes`` if set) in ``time_limit_seconds``.
 
@@ -206,7 +214,9 @@ def solve_exact(
     or CP-SAT proves nothing fits and "unknown" when nothing was found in time (the best
     placement found is still returned). ``repair=False`` skips the exact windows
     (:func:`memplan.placement.rolling.roll_from_peak`, :func:`memplan.placement.repair.reach_bound`),
-    ``search=False`` the canonical search (CP-SAT alone).
+    ``search=False`` the canonical search (CP-SAT alone), ``hole_filling=False`` the hole
+    filling along time (:mod:`memplan.placement.holefill`) tried first on problems whose load
+    meets the bound most of the time.
     """
     t0 = time.perf_counter()
     deadline = t0 + time_limit_seconds
@@ -217,7 +227,7 @@ def solve_exact(
         return _restamp(best, best.method, "infeasible", t0, bound)  # more is live at once than fits
     if best.arena_bytes <= bound:
         return _restamp(best, best.method, "optimal", t0, bound)
-    stages = _Stages(problem, t0, deadline, workers, pyramid, repair)
+    stages = _Stages(problem, t0, deadline, workers, pyramid, repair, hole_filling)
     if not (search and search_applies(problem)):
         return stages.run(best, bound)
     if workers >= 2 and native.available():
@@ -290,6 +300,19 @@ class _Stages:
     workers: int
     pyramid: bool
     repair: bool
+    hole_filling: bool
+
+    def _fill_holes(self, bound: int, stop: threading.Event | None) -> Placement | None:
+        """Hole filling along time (:mod:`memplan.placement.holefill`) at the lower bound, with
+        :data:`HOLEFILL_SHARE` of the time left, when the load meets the bound at least
+        :data:`HOLEFILL_MIN_TIGHT` of the time."""
+        problem = self.problem
+        if not (self.hole_filling and holefill_applies(problem) and bound <= problem.lower_bound_bytes):
+            return None
+        if tight_share(problem) < HOLEFILL_MIN_TIGHT:
+            return None
+        budget = time.perf_counter() + HOLEFILL_SHARE * _left(self.deadline)
+        return fill_at_bound(problem, budget, stop=lambda: _is_set(stop))
 
     def run(
         self, best: Placement, bound: int, *, workers: int | None = None, stop: threading.Event | None = None
@@ -298,6 +321,9 @@ class _Stages:
         is not refuted), then CP-SAT (pyramid first). ``stop``, once set, skips what is left."""
         problem, t0, deadline = self.problem, self.t0, self.deadline
         workers = workers or self.workers
+        filled = self._fill_holes(bound, stop)
+        if filled is not None:
+            return _restamp(filled, filled.method, "optimal", t0, bound)
         blocks = make_blocks(problem)
         unit = blocks.unit_bytes
         # The windows aim at the lower bound only: pointless once it is refuted.

@@ -169,7 +169,15 @@ def tight_instance(
         size_spread=size_spread,
         long_steps=long_steps,
     )
-    order = sorted(range(len(rects)), key=lambda i: rng.random())  # no hint in the buffer order
+    return shuffled_instance(rng, rects, height_units, unit_bytes)
+
+
+def shuffled_instance(
+    rng: random.Random, rects: list[tuple[int, int, int, int]], height_units: int, unit_bytes: int
+) -> Instance:
+    """The packing ``rects`` (t0, t1, y0, y1) as a problem with sizes and offsets in multiples of
+    ``unit_bytes``, its buffers in random order (no hint in the order)."""
+    order = sorted(range(len(rects)), key=lambda i: rng.random())
     problem = PlacementProblem.from_intervals(
         [(rects[i][3] - rects[i][2]) * unit_bytes for i in order],
         [(rects[i][0], rects[i][1]) for i in order],
@@ -178,3 +186,116 @@ def tight_instance(
     )
     offsets = tuple(rects[i][2] * unit_bytes for i in order)
     return Instance(problem, offsets, height_units * unit_bytes)
+
+
+def similar_sizes(rng: random.Random, count: int, mean_units: int, spread: float) -> tuple[int, ...]:
+    """``count`` distinct sizes within a factor ``spread`` of ``mean_units``, none a multiple of
+    another (so no size tiles another's slot, and the unit is 1 whenever two are coprime)."""
+    lo, hi = max(2, round(mean_units / spread)), max(3, round(mean_units * spread))
+    if hi - lo + 1 < count:
+        raise GenerationError(f"{count} distinct sizes do not fit in [{lo}, {hi}] units: widen the spread")
+    chosen: list[int] = []
+    for size in rng.sample(range(lo, hi + 1), hi - lo + 1):
+        if all(size % c and c % size for c in chosen):
+            chosen.append(size)
+            if len(chosen) == count:
+                return tuple(sorted(chosen))
+    raise GenerationError(f"no {count} sizes in [{lo}, {hi}] units divide none of the others: widen the spread")
+
+
+def perfect_rectangles(
+    rng: random.Random,
+    num_rects: int,
+    height_units: int,
+    sizes: tuple[int, ...],
+    *,
+    short_steps: tuple[int, int] = (1, 6),
+    long_steps: tuple[int, int] = (20, 200),
+    long_share: float = 0.3,
+    stacking: str = "short-low",
+) -> list[tuple[int, int, int, int]]:
+    """A packing of at least ``num_rects`` rectangles (t0, t1, y0, y1) that fills
+    ``[0, horizon) x [0, height_units)`` exactly: no gap at any time.
+
+    The sweep of :func:`tight_rectangles` with every refill complete: whenever rectangles end,
+    the freed address ranges are merged with each other (new buffers straddle old boundaries)
+    and refilled at once with sizes drawn from ``sizes``, the last piece of a range taking the
+    rest; in each refill the shortest lifetimes go lowest (``stacking="short-low"``), so
+    long-lived buffers lie on top of short-lived ones, or the longest (``"long-low"``), or
+    lifetimes fall in random order (``"mixed"``). The sweep stops once ``num_rects`` rectangles
+    have started; every lifetime is cut at the next end after that (the horizon), before which
+    nothing has ended unrefilled.
+    """
+    rects: list[tuple[int, int, int, int]] = []
+    smallest = min(sizes)
+
+    def fill(t: int, y0: int, y1: int) -> None:
+        pieces, y = [], y0
+        while y < y1:
+            size = rng.choice(sizes)
+            if y1 - (y + size) < smallest:
+                size = y1 - y  # the last piece takes the rest
+            pieces.append((y, y + size))
+            y += size
+        lengths = [rng.randint(*long_steps) if rng.random() < long_share else rng.randint(*short_steps) for _ in pieces]
+        if stacking != "mixed":
+            lengths.sort(reverse=stacking == "long-low")
+        rects.extend((t, t + length, a, b) for (a, b), length in zip(pieces, lengths, strict=True))
+
+    fill(0, 0, height_units)
+    t = 0
+    while len(rects) < num_rects:
+        t = min(t1 for _, t1, _, _ in rects if t1 > t)
+        ending = sorted((y0, y1) for _, t1, y0, y1 in rects if t1 == t)
+        merged: list[list[int]] = []
+        for a, b in ending:
+            if merged and merged[-1][1] == a:
+                merged[-1][1] = b
+            else:
+                merged.append([a, b])
+        for a, b in merged:
+            fill(t, a, b)
+    horizon = min(t1 for _, t1, _, _ in rects if t1 > t)  # the next end: full until then
+    return [(t0, min(t1, horizon), y0, y1) for t0, t1, y0, y1 in rects]
+
+
+STACKINGS = ("short-low", "long-low", "mixed")
+
+
+def perfect_instance(
+    seed: int,
+    num_buffers: int,
+    *,
+    height_units: int = 1024,
+    unit_bytes: int = 1024,
+    mean_size_units: int = 40,
+    size_spread: float = 1.3,
+    num_sizes: int = 0,
+    long_steps: tuple[int, int] = (20, 200),
+    long_share: float = 0.3,
+    stacking: str = "short-low",
+) -> Instance:
+    """A harder instance than :func:`tight_instance` (issue 13): a perfect packing of a
+    ``horizon x height_units`` rectangle by :func:`perfect_rectangles`, so the load equals the
+    capacity ``height_units * unit_bytes`` at every time and the optimum is the lower bound.
+
+    Sizes are similar (within ``size_spread`` of ``mean_size_units``) and, at the default
+    ``height_units = 1024`` (MiniMalloc's 1 MiB in KiB), fine-grained: not multiples of each
+    other. ``num_sizes > 0`` draws them from that many distinct sizes (:func:`similar_sizes`),
+    giving many equal sizes crossing the same sections; 0 allows every size in the range.
+    Long-lived buffers (``long_share`` of them, ``long_steps`` long) lie on short-lived ones
+    (``stacking``: see :func:`perfect_rectangles`).
+    Every section must tile the capacity exactly. Buffers come in random order; their number is
+    ``num_buffers`` or a few more (the last refill is kept whole)."""
+    rng = random.Random(seed)
+    if num_sizes > 0:
+        sizes = similar_sizes(rng, num_sizes, mean_size_units, size_spread)
+    else:
+        lo, hi = max(1, round(mean_size_units / size_spread)), max(1, round(mean_size_units * size_spread))
+        sizes = tuple(range(lo, hi + 1))
+    if stacking not in STACKINGS:
+        raise GenerationError(f"unknown stacking {stacking!r}; choose one of {', '.join(STACKINGS)}")
+    rects = perfect_rectangles(
+        rng, num_buffers, height_units, sizes, long_steps=long_steps, long_share=long_share, stacking=stacking
+    )
+    return shuffled_instance(rng, rects, height_units, unit_bytes)
