@@ -331,9 +331,15 @@ def _seeded(fn: Callable[[Batch], Any], batch: Batch, seed: int) -> Any:
 
 
 def _replaying(planned_step: Any, batch: Batch) -> bool:
-    """The planned step runs its plan: a views runner always, the planned allocator once it
-    has placed a recorded step (the steps before are recorded on the ordinary allocator)."""
-    return bool(getattr(planned_step.runner_for(batch), "replaying", True))
+    """The planned step runs its plan: a views runner always, the planned allocator once its
+    latest step was served by the plan without leaving it (the steps before are recorded on
+    the ordinary allocator, and a step of a kind the plan has not seen yet, such as the first
+    GradScaler step that updates after skipped ones, leaves it and is placed as a new branch)."""
+    runner = planned_step.runner_for(batch)
+    if not hasattr(runner, "replaying"):
+        return True
+    stats = runner.last_stats
+    return bool(runner.replaying and stats is not None and stats.diverged_at is None)
 
 
 def _shaped(batch: Batch, feature: Feature) -> Batch:
