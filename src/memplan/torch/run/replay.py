@@ -11,9 +11,9 @@ output is copied and oneDNN's scratch lands in the arena too.
 
 A replayed step that allocates otherwise than every branch of its plan (a GradScaler step that
 makes the update after the plan was recorded on skipped ones) finishes on the ordinary
-allocator; the allocator logged it as a recording would, so it becomes a new branch and the
-branches are placed again in one arena (:mod:`memplan.torch.run.branches`): the next step of
-that kind replays from the plan too.
+allocator; the allocator logged it as a recording would, so once two such steps allocate alike
+it becomes a new branch and the branches are placed again in one arena
+(:mod:`memplan.torch.run.branches`): the next step of that kind replays from the plan too.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ from memplan.torch.run.verify import StepObjects, verify_by_rerun
 
 MAX_RECORDINGS = 4
 # A step that allocates otherwise than the plan (a GradScaler step that skips the update, an
-# occasional other branch) finishes on the base allocator and becomes a branch of the plan, up
-# to this many branches; beyond them the plan is kept for the steps after it, and recorded again
-# only when REPLAN_AFTER_DIVERGED steps in a row diverge.
+# occasional other branch) finishes on the base allocator and, once two such steps allocate
+# alike, becomes a branch of the plan, up to this many branches; beyond them the plan is kept
+# for the steps after it, and recorded again only when REPLAN_AFTER_DIVERGED steps in a row
+# diverge.
 MAX_BRANCHES = 4
 REPLAN_AFTER_DIVERGED = 2
 
@@ -75,8 +76,9 @@ class ReplayedStep:
     step records (the recording runs on the ordinary allocator, and the process should not hold
     both) and reserved at the plan's size when it replays. ``last_stats`` says what the latest
     replayed step did; a step whose allocations differ from every branch of the plan is still
-    correct (the rest goes to the allocator) and becomes a branch, up to ``max_branches``; past
-    them, after ``REPLAN_AFTER_DIVERGED`` such steps in a row the step is recorded again.
+    correct (the rest goes to the allocator), and becomes a branch, up to ``max_branches``,
+    once two such steps allocate alike; past them, after ``REPLAN_AFTER_DIVERGED`` such steps
+    in a row the step is recorded again.
     ``native`` is the planned
     allocator that records and replays: the CPU one by default, the CUDA one
     (:func:`memplan.torch.run.cuda_allocator.native`) for a step on a GPU. Where the native
@@ -105,6 +107,7 @@ class ReplayedStep:
         self.planning_seconds = 0.0  # spent placing recorded steps (capture and graph plan not included)
         self.plan: BranchedPlan | None = None
         self.traces: list[AllocationTrace] = []  # the plan's branches, as recorded
+        self._pending: AllocationTrace | None = None  # a diverged step, a branch if the next allocates alike
         self.placement: ArenaPlacement | None = None
         self.last_stats: ReplayStats | None = None
         self.recordings = 0
@@ -155,15 +158,23 @@ class ReplayedStep:
         self.diverged_in_a_row += 1
         if self.diverged_in_a_row >= REPLAN_AFTER_DIVERGED:  # record again
             self.plan, self._previous, self.traces, self.recordings, self.diverged_in_a_row = None, None, [], 0, 0
+            self._pending = None
         return result
 
     def _branch_off(self) -> bool:
-        """The step that just diverged, as the allocator logged it, placed as a new branch of the
-        plan; False when the plan has its ``max_branches`` or the step was observed by the
-        self-check (its allocations are not the step's)."""
+        """The step that just diverged, as the allocator logged it: placed as a new branch of the
+        plan when the previous diverged step allocated alike (a kind seen once, such as the
+        first update that creates the optimizer's state, would claim memory for nothing), else
+        kept to compare with the next. False when the plan has its ``max_branches`` or the step
+        was observed by the self-check (its allocations are not the step's)."""
         if len(self.traces) >= self.max_branches or getattr(self.run, "last_step_observed", False):
             return False
-        self._place([*self.traces, self.native.replayed_trace()])
+        trace = self.native.replayed_trace()
+        if self._pending is None or self._pending.sizes != trace.sizes:
+            self._pending = trace
+            return True
+        self._pending = None
+        self._place([*self.traces, trace])
         return True
 
     @property
