@@ -182,6 +182,13 @@ class ReplayedStep:
         return self.plan is not None
 
     @property
+    def settled(self) -> bool:
+        """Replaying, the latest step served by the plan without leaving it, and no diverged
+        step waiting to become a branch: the steps from here are the plan's steady state."""
+        stats = self.last_stats
+        return self.plan is not None and stats is not None and stats.diverged_at is None and self._pending is None
+
+    @property
     def arena(self) -> torch.Tensor:
         """The arena block this step replays into (empty until planned, or while released)."""
         return self.shared.tensor
