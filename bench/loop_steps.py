@@ -3,8 +3,9 @@
 Runs one feature's step eagerly and planned for several steps from the same weights and seed
 (as memplan.torch.loops.run_feature does) and prints, for every step, eager's peak, memplan's
 (the CPU allocator's count during the step plus the arena held before it), the GradScaler's
-scale after the step, and what the planned allocator's replay did (allocations served from the
-plan, sent to the ordinary allocator, and the first that differed from the recording).
+scale after the step, what the planned allocator's replay did (allocations served from the
+plan, sent to the ordinary allocator, the first that no branch of the plan made, the branch it
+ended on) and how many recorded steps (branches) the plan holds after it.
 
     python bench/loop_steps.py bert "float16 + GradScaler (skipped steps)" 6
 
@@ -45,10 +46,13 @@ def main() -> None:
         arena = runner.arena.untyped_storage().nbytes() if getattr(runner, "replaying", True) else 0
         planned_peak = allocator_peak_bytes(_seeded, planned_step, batch, seed)[1]
         scale = float(planned.scaler.get_scale()) if planned.scaler is not None else None
+        plan = getattr(runner, "plan", None)
+        branches = len(plan.branches) if plan is not None and hasattr(plan, "branches") else 0
         print(
             f"step {k}: eager {eager_peak / MIB:.2f} MiB, memplan {planned_peak / MIB:.2f} + arena "
             f"{arena / MIB:.2f} = {(planned_peak + arena) / MIB:.2f} MiB, scale {scale}, "
-            f"replay {getattr(runner, 'last_stats', None)} ({time.perf_counter() - start:.0f} s)",
+            f"replay {getattr(runner, 'last_stats', None)}, plan branches after it {branches} "
+            f"({time.perf_counter() - start:.0f} s)",
             flush=True,
         )
 

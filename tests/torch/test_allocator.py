@@ -121,20 +121,45 @@ def test_replayed_step_records_until_steady_then_replays():
     assert step.placement is not None and step.placement.arena_bytes == step.placement.lower_bound_bytes
 
 
-def test_a_step_that_diverges_once_keeps_the_plan():
-    """A GradScaler step that skips its update allocates otherwise: it finishes on the base
-    allocator and the next usual step replays the same plan; two in a row record again."""
+def test_a_step_that_diverges_becomes_a_branch_and_replays_from_the_plan():
+    """A step that allocates otherwise (a GradScaler step that makes the update after a plan
+    recorded on skipped ones) finishes on the base allocator; once two such steps allocate
+    alike, it becomes a branch of the plan: the next step of either kind replays from the one
+    arena, with the same numbers."""
     x, other = torch.randn(96, 96), torch.randn(40, 40)
     step = ReplayedStep(lambda batch: chain(batch).clone())
     for _ in range(4):
         step(x)
+    assert step.plan is not None and len(step.plan.branches) == 1
+    for seen in (1, 2):
+        unusual = step(other)
+        assert step.last_stats.diverged_at is not None
+        assert torch.equal(unusual, chain(other).clone())
+        assert len(step.plan.branches) == seen and step.placement.branches == seen
+    for batch, branch in [(other, 1), (x, 0), (other, 1)]:
+        got = step(batch)
+        stats = step.last_stats
+        assert (stats.diverged_at, stats.branch, stats.blocked, stats.arena_alive_after) == (None, branch, 0, 0)
+        assert stats.served == sum(o >= 0 for o in step.plan.branches[branch].offsets)
+        assert torch.equal(got, chain(batch).clone())
+    assert step.placement.arena_bytes >= step.placement.lower_bound_bytes
+
+
+def test_an_unseen_kind_past_the_branches_falls_back_and_keeps_the_plan():
+    """With the plan's branches all taken, a third kind finishes on the base allocator with the
+    same numbers and the plan is kept; two such steps in a row record again."""
+    x, other, third = torch.randn(96, 96), torch.randn(40, 40), torch.randn(24, 24)
+    step = ReplayedStep(lambda batch: chain(batch).clone())
+    step.max_branches = 2
+    for batch in [x, x, x, other, other]:
+        step(batch)
     plan = step.plan
-    assert plan is not None
-    unusual = step(other)
-    assert step.last_stats.diverged_at is not None and step.plan is plan
-    assert torch.equal(unusual, chain(other).clone())
-    step(x)
+    assert plan is not None and len(plan.branches) == 2
+    got = step(third)
+    assert step.last_stats.diverged_at is not None and step.last_stats.fallback >= 1 and step.plan is plan
+    assert torch.equal(got, chain(third).clone())
+    step(other)
     assert step.last_stats.diverged_at is None and step.plan is plan
-    step(other)
-    step(other)
+    step(third)
+    step(third)
     assert not step.replaying  # two in a row: recorded again

@@ -60,6 +60,67 @@ def test_the_scaler_feature_really_skips_steps_and_memplan_skips_the_same():
     assert steps_taken and max(steps_taken) < 4, "skipped steps do not update"
 
 
+def _alternating_scaler_setup() -> Setup:
+    """The fp16 + GradScaler step with a scale that float16 holds: it skips exactly the
+    steps whose batch overflows (inputs scaled far past float16's range)."""
+    setup = _setup(MLP, FEATURES["float16 + GradScaler (skipped steps)"], seed=0)
+    setup.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1000)
+    return setup
+
+
+def _overflowing(batch: dict) -> dict:
+    return {**batch, "x": batch["x"] * 1e5}
+
+
+def test_a_scaler_loop_alternating_skips_and_updates_replays_both_kinds_from_one_plan():
+    """The plan is recorded on skipped steps (as BERT's fp16 row of bench/results/loops.md):
+    the updating kind diverges until two updates allocated alike (the first one creates AdamW's
+    state), then becomes a branch, and from then on every step of either kind replays from the
+    plan, bit for bit like eager, holding outside the arena no more than the branch leaves to the
+    ordinary allocator."""
+    from memplan.torch.equivalence import differences, snapshot
+    from memplan.torch.loops import _seeded
+    from memplan.torch.measure import allocator_peak_bytes
+
+    feature = FEATURES["float16 + GradScaler (skipped steps)"]
+    eager, planned = _alternating_scaler_setup(), _alternating_scaler_setup()
+    eager_step = feature.step(eager)
+    planned_step = memplan.compile(
+        feature.step(planned),
+        model=planned.model,
+        optimizer=planned.optimizer,
+        scaler=planned.scaler,
+        time_limit_seconds=0.5,
+    )
+    skip, update = _overflowing(MLP.batch(0)), MLP.batch(1)
+    replayed = {}  # kind -> branches it replayed on
+    for k, (kind, batch) in enumerate([("skip", skip)] * 3 + [("update", update), ("skip", skip)] * 5):
+        runner = planned_step.runner_for(batch)
+        scale = planned.scaler.get_scale()
+        eager_loss = _seeded(eager_step, batch, k)
+        planned_loss, outside = allocator_peak_bytes(_seeded, planned_step, batch, k)
+        assert (planned.scaler.get_scale() < scale) == (kind == "skip"), "the batch decides the kind"
+        assert (
+            differences(
+                snapshot(eager.model, eager.optimizer, eager.scaler),
+                snapshot(planned.model, planned.optimizer, planned.scaler),
+            )
+            == []
+        )
+        assert torch.equal(eager_loss.nan_to_num(), planned_loss.nan_to_num())
+        if k == 2:
+            assert runner.replaying and len(runner.plan.branches) == 1
+            recorded_on_skips = runner.recordings
+        stats = runner.last_stats
+        if k >= 8:  # the branches are in: every step replays from the plan
+            assert stats is not None and stats.diverged_at is None and stats.blocked == 0, stats
+            branch = runner.plan.branches[stats.branch]
+            assert outside <= sum(size for size, o in zip(branch.sizes, branch.offsets, strict=True) if o < 0)
+            replayed.setdefault(kind, set()).add(stats.branch)
+    assert replayed["skip"] and replayed["update"] and not replayed["skip"] & replayed["update"]
+    assert runner.replays >= 6 and runner.recordings == recorded_on_skips, "no step recorded after the skips"
+
+
 def _mlp_setup() -> Setup:
     return _setup(MLP, FEATURES["dict batch, loss from the output"], seed=0)
 

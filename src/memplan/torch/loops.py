@@ -322,7 +322,7 @@ def run_feature(
 
 
 MEASURED_STEPS = 3
-MAX_WARMUP_STEPS = 6  # the planned allocator records until two steps allocate alike (run/replay.py)
+MAX_WARMUP_STEPS = 8  # recording until two steps allocate alike, then each new kind of step seen twice (run/replay.py)
 
 
 def _seeded(fn: Callable[[Batch], Any], batch: Batch, seed: int) -> Any:
@@ -331,9 +331,11 @@ def _seeded(fn: Callable[[Batch], Any], batch: Batch, seed: int) -> Any:
 
 
 def _replaying(planned_step: Any, batch: Batch) -> bool:
-    """The planned step runs its plan: a views runner always, the planned allocator once it
-    has placed a recorded step (the steps before are recorded on the ordinary allocator)."""
-    return bool(getattr(planned_step.runner_for(batch), "replaying", True))
+    """The planned step runs its plan: a views runner always, the planned allocator once it is
+    settled (run/replay.py: its latest step served by the plan, none waiting to become a
+    branch). The steps before are recorded on the ordinary allocator, or are of a kind the plan
+    has not placed yet, such as the first GradScaler steps that update after skipped ones."""
+    return bool(getattr(planned_step.runner_for(batch), "settled", True))
 
 
 def _shaped(batch: Batch, feature: Feature) -> Batch:

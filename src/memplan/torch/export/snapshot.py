@@ -340,15 +340,17 @@ def _persistent_allocations(persistent: Mapping[str, Any]) -> list[Allocation]:
 
 def replay_snapshot(replayed: Any, persistent: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The allocations of a :class:`memplan.torch.run.replay.ReplayedStep` that replays (module
-    docstring): its recorded trace at the offsets it serves them from, in its real arena."""
-    plan, trace = replayed.plan, getattr(replayed, "_previous", None)
+    docstring): its recorded trace (the plan's first branch) at the offsets it serves them from,
+    in its real arena."""
+    traces = getattr(replayed, "traces", [])
+    plan, trace = replayed.plan, traces[0] if traces else None
     if plan is None or trace is None:
         raise SnapshotError("the planned allocator has not planned this step yet: run the step until it replays")
     arena_address = replayed.arena.data_ptr()
     addresses = _Addresses(arena_address + _round_up(plan.arena_bytes) + SEPARATE_ADDRESS_GAP)
     allocations = []
     for k in range(trace.num_allocations):
-        size, offset = trace.sizes[k], plan.offsets[k]
+        size, offset = trace.sizes[k], plan.branches[0].offsets[k]
         frames = (frame(f"allocation {k} of the step ({size} bytes)", "memplan:planned-allocator", k),)
         if offset >= 0:
             address, segment = arena_address + offset, arena_address

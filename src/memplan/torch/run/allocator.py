@@ -41,7 +41,7 @@ CUDA_ALIGNMENT_BYTES = 512  # PyTorch's CUDA caching allocator rounds every bloc
 ALIGNMENT_BYTES = CPU_ALIGNMENT_BYTES  # the planned CPU allocator's
 _I64 = ctypes.c_int64
 _P64 = ctypes.POINTER(ctypes.c_int64)
-_NUM_STATS = 8
+_NUM_STATS = 9
 # what every arena's address must be a multiple of: PyTorch's CPU allocator gives 64, cudaMalloc
 # 256; planned offsets are multiples of the device's alignment on top (kernels load 16 at most)
 ARENA_BASE_ALIGNMENT_BYTES = 64
@@ -97,9 +97,10 @@ class ReplayStats:
     fallback: int
     fallback_bytes: int
     blocked: int  # served by the base allocator because a planned free had not happened yet
-    diverged_at: int | None  # first allocation whose size differed from the recording
+    diverged_at: int | None  # first allocation that no branch of the plan makes there
     allocations: int
     arena_alive_after: int  # arena allocations that outlived the step (must be 0)
+    branch: int = 0  # the branch of the plan the step ended on (BranchedPlan)
 
 
 def aligned(size: int, alignment: int = CPU_ALIGNMENT_BYTES) -> int:
@@ -183,10 +184,11 @@ def declare_replay_api(lib: ctypes.CDLL) -> None:
     lib.mp_begin_record.restype = None
     lib.mp_end_record.restype = _I64
     lib.mp_record_num_allocations.restype = _I64
+    lib.mp_record_num_events.restype = _I64
     lib.mp_record_copy.argtypes = [_P64, _P64, _P64]
     lib.mp_record_copy.restype = None
     lib.mp_begin_replay.restype = ctypes.c_int
-    lib.mp_begin_replay.argtypes = [ctypes.c_void_p, _I64, _I64, _P64, _P64, _P64, _P64, _I64, _P64]
+    lib.mp_begin_replay.argtypes = [ctypes.c_void_p, _I64, _I64, _P64, _P64, _P64, _P64, _P64, _P64, _P64, _P64]
     lib.mp_end_replay.argtypes = [_P64]
     lib.mp_end_replay.restype = None
 
@@ -202,6 +204,22 @@ class ReplayPlan:
     free_order: tuple[int, ...]
     arena_bytes: int
     streams: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class BranchedPlan:
+    """Several recorded steps replayed from one arena (:mod:`memplan.torch.run.branches`):
+    ``shared[a][b]`` leading allocations of branches a and b are the same allocations at the
+    same offsets; a step that departs from its branch at allocation k goes on along a branch
+    that shares the first k with it and makes that request there."""
+
+    branches: tuple[ReplayPlan, ...]
+    shared: tuple[tuple[int, ...], ...]
+    arena_bytes: int
+
+    @classmethod
+    def single(cls, plan: ReplayPlan) -> BranchedPlan:
+        return cls((plan,), ((len(plan.sizes),),), plan.arena_bytes)
 
 
 def replay_plan(trace: AllocationTrace, offsets: dict[int, int], arena_bytes: int) -> ReplayPlan:
@@ -248,7 +266,14 @@ class NativeReplay:
 
     def end_record(self) -> AllocationTrace:
         """Stop recording and return the trace of the allocations made since :meth:`begin_record`."""
-        num_events = self.lib.mp_end_record()
+        return self._logged(self.lib.mp_end_record())
+
+    def replayed_trace(self) -> AllocationTrace:
+        """The allocations of the latest replayed step, as a recording of it would give them
+        (a step that diverged from its plan becomes a branch of it)."""
+        return self._logged(self.lib.mp_record_num_events())
+
+    def _logged(self, num_events: int) -> AllocationTrace:
         num_allocations = self.lib.mp_record_num_allocations()
         sizes = (ctypes.c_int64 * max(num_allocations, 1))()
         streams = (ctypes.c_int64 * max(num_allocations, 1))()
@@ -269,24 +294,29 @@ class NativeReplay:
             self.alignment_bytes,
         )
 
-    def begin_replay(self, plan: ReplayPlan, arena_address: int, arena_bytes: int) -> None:
+    def begin_replay(self, plan: ReplayPlan | BranchedPlan, arena_address: int, arena_bytes: int) -> None:
         """Serve the plan's allocations at ``arena_address + offset`` until :meth:`end_replay`."""
+        if isinstance(plan, ReplayPlan):
+            plan = BranchedPlan.single(plan)
         if arena_bytes < plan.arena_bytes:
             raise MemplanError(f"the arena holds {arena_bytes} bytes, the plan needs {plan.arena_bytes}")
         if arena_address % ARENA_BASE_ALIGNMENT_BYTES:
             raise MemplanError(f"the arena at {arena_address:#x} is not aligned to {ARENA_BASE_ALIGNMENT_BYTES} bytes")
-        n = len(plan.sizes)
-        streams = _array(plan.streams) if plan.streams else None
+        branches = plan.branches
+        with_streams = any(b.streams for b in branches)
+        streams = [s for b in branches for s in (b.streams or (0,) * len(b.sizes))] if with_streams else None
         ok = self.lib.mp_begin_replay(
             arena_address,
             arena_bytes,
-            n,
-            _array(plan.sizes),
-            streams,
-            _array(plan.offsets),
-            _array(plan.need),
-            len(plan.free_order),
-            _array(plan.free_order),
+            len(branches),
+            _array([len(b.sizes) for b in branches]),
+            _array([v for b in branches for v in b.sizes]),
+            _array(streams) if streams is not None else None,
+            _array([v for b in branches for v in b.offsets]),
+            _array([v for b in branches for v in b.need]),
+            _array([len(b.free_order) for b in branches]),
+            _array([v for b in branches for v in b.free_order]),
+            _array([v for row in plan.shared for v in row]),
         )
         if not ok:
             raise MemplanError("arena allocations of an earlier step are still alive; replay refused")
@@ -294,9 +324,17 @@ class NativeReplay:
     def end_replay(self) -> ReplayStats:
         values = (ctypes.c_int64 * _NUM_STATS)()
         self.lib.mp_end_replay(values)
-        served, served_bytes, fallback, fallback_bytes, blocked, diverged, seen, alive = values
+        served, served_bytes, fallback, fallback_bytes, blocked, diverged, seen, alive, branch = values
         return ReplayStats(
-            served, served_bytes, fallback, fallback_bytes, blocked, None if diverged < 0 else diverged, seen, alive
+            served,
+            served_bytes,
+            fallback,
+            fallback_bytes,
+            blocked,
+            None if diverged < 0 else diverged,
+            seen,
+            alive,
+            branch,
         )
 
     def release_free_memory(self) -> None:
@@ -321,7 +359,7 @@ def end_record() -> AllocationTrace:
     return cpu().end_record()
 
 
-def begin_replay(plan: ReplayPlan, arena: torch.Tensor) -> None:
+def begin_replay(plan: ReplayPlan | BranchedPlan, arena: torch.Tensor) -> None:
     cpu().begin_replay(plan, arena.data_ptr(), arena.numel())
 
 

@@ -304,6 +304,7 @@ class BudgetedReplay(ReplayedStep):
     """
 
     max_recording_steps = MAX_RECORDINGS * (MAX_TIGHTENINGS + 1)
+    max_branches = 1  # a branch placed later could grow the arena past the budget unchecked
 
     def __init__(
         self,

@@ -8,6 +8,12 @@ placement problem (lifetimes in event time, ``memplan.placement``), validated, a
 are replayed with each allocation served at its offset by the planned CPU allocator
 (``memplan.torch.run.allocator``). Kernels write their outputs where they would anyway, so no
 output is copied and oneDNN's scratch lands in the arena too.
+
+A replayed step that allocates otherwise than every branch of its plan (a GradScaler step that
+makes the update after the plan was recorded on skipped ones) finishes on the ordinary
+allocator; the allocator logged it as a recording would, so once two such steps allocate alike
+it becomes a new branch and the branches are placed again in one arena
+(:mod:`memplan.torch.run.branches`): the next step of that kind replays from the plan too.
 """
 
 from __future__ import annotations
@@ -22,14 +28,18 @@ from memplan.errors import MemplanError
 from memplan.isolate import in_child
 from memplan.placement import PlacementProblem, place, validate_placement
 from memplan.torch.run import allocator
-from memplan.torch.run.allocator import AllocationTrace, NativeReplay, ReplayPlan, ReplayStats
+from memplan.torch.run.allocator import AllocationTrace, BranchedPlan, NativeReplay, ReplayStats
 from memplan.torch.run.arena import SharedArena
+from memplan.torch.run.branches import branched_plan, build_trie, trie_problem, validate_branches
 from memplan.torch.run.verify import StepObjects, verify_by_rerun
 
 MAX_RECORDINGS = 4
 # A step that allocates otherwise than the plan (a GradScaler step that skips the update, an
-# occasional other branch) finishes on the base allocator; the plan is kept for the steps after
-# it, and recorded again only when this many steps in a row diverge.
+# occasional other branch) finishes on the base allocator and, once two such steps allocate
+# alike, becomes a branch of the plan, up to this many branches; beyond them the plan is kept
+# for the steps after it, and recorded again only when REPLAN_AFTER_DIVERGED steps in a row
+# diverge.
+MAX_BRANCHES = 4
 REPLAN_AFTER_DIVERGED = 2
 
 
@@ -44,6 +54,7 @@ class ArenaPlacement:
     seconds: float
     allocations: int
     planned_allocations: int  # freed within the step, so placed in the arena
+    branches: int = 1  # recorded steps placed together (run/branches.py)
 
 
 def placement_problem(trace: AllocationTrace) -> tuple[PlacementProblem, list[int]]:
@@ -65,9 +76,11 @@ class ReplayedStep:
     (:class:`memplan.torch.run.arena.SharedArena`; Sekiyama 4.3): it is released while this
     step records (the recording runs on the ordinary allocator, and the process should not hold
     both) and reserved at the plan's size when it replays. ``last_stats`` says what the latest
-    replayed step did; a step whose allocations differ from the recording is still correct (the
-    rest goes to the allocator); after ``REPLAN_AFTER_DIVERGED`` such steps in a row the step is
-    recorded again. ``native`` is the planned
+    replayed step did; a step whose allocations differ from every branch of the plan is still
+    correct (the rest goes to the allocator), and becomes a branch, up to ``max_branches``,
+    once two such steps allocate alike; past them, after ``REPLAN_AFTER_DIVERGED`` such steps
+    in a row the step is recorded again.
+    ``native`` is the planned
     allocator that records and replays: the CPU one by default, the CUDA one
     (:func:`memplan.torch.run.cuda_allocator.native`) for a step on a GPU. Where the native
     allocator asks for it (CUDA: ``verify_first_replay``), the first replayed step of every plan
@@ -75,6 +88,8 @@ class ReplayedStep:
     (:mod:`memplan.torch.run.verify`); otherwise ``refused`` says why and every later step runs
     on the ordinary allocator (the caller then plans with arena views).
     """
+
+    max_branches = MAX_BRANCHES
 
     def __init__(
         self,
@@ -91,7 +106,9 @@ class ReplayedStep:
         self.time_limit_seconds = time_limit_seconds
         self.shared = arena if arena is not None else SharedArena()
         self.planning_seconds = 0.0  # spent placing recorded steps (capture and graph plan not included)
-        self.plan: ReplayPlan | None = None
+        self.plan: BranchedPlan | None = None
+        self.traces: list[AllocationTrace] = []  # the plan's branches, as recorded
+        self._pending: AllocationTrace | None = None  # a diverged step, a branch if the next allocates alike
         self.placement: ArenaPlacement | None = None
         self.last_stats: ReplayStats | None = None
         self.recordings = 0
@@ -136,14 +153,41 @@ class ReplayedStep:
                 f"{stats.arena_alive_after} arena allocation(s) outlived the step, which the recording did not show; "
                 "keep no tensor of the step alive across steps, or run with allocator='views'"
             )
-        self.diverged_in_a_row = self.diverged_in_a_row + 1 if stats.diverged_at is not None else 0
-        if self.diverged_in_a_row >= REPLAN_AFTER_DIVERGED:
-            self.plan, self._previous, self.recordings, self.diverged_in_a_row = None, None, 0, 0  # record again
+        if stats.diverged_at is None or self._branch_off():
+            self.diverged_in_a_row = 0
+            return result
+        self.diverged_in_a_row += 1
+        if self.diverged_in_a_row >= REPLAN_AFTER_DIVERGED:  # record again
+            self.plan, self._previous, self.traces, self.recordings, self.diverged_in_a_row = None, None, [], 0, 0
+            self._pending = None
         return result
+
+    def _branch_off(self) -> bool:
+        """The step that just diverged, as the allocator logged it: placed as a new branch of the
+        plan when the previous diverged step allocated alike (a kind seen once, such as the
+        first update that creates the optimizer's state, would claim memory for nothing), else
+        kept to compare with the next. False when the plan has its ``max_branches`` or the step
+        was observed by the self-check (its allocations are not the step's)."""
+        if len(self.traces) >= self.max_branches or getattr(self.run, "last_step_observed", False):
+            return False
+        trace = self.native.replayed_trace()
+        if self._pending is None or self._pending.sizes != trace.sizes:
+            self._pending = trace
+            return True
+        self._pending = None
+        self._place([*self.traces, trace])
+        return True
 
     @property
     def replaying(self) -> bool:
         return self.plan is not None
+
+    @property
+    def settled(self) -> bool:
+        """Replaying, the latest step served by the plan without leaving it, and no diverged
+        step waiting to become a branch: the steps from here are the plan's steady state."""
+        stats = self.last_stats
+        return self.plan is not None and stats is not None and stats.diverged_at is None and self._pending is None
 
     @property
     def arena(self) -> torch.Tensor:
@@ -170,25 +214,34 @@ class ReplayedStep:
         return result
 
     def _plan(self, trace: AllocationTrace) -> None:
+        self._place([trace])
+
+    def _place(self, traces: list[AllocationTrace]) -> None:
+        """Place the branches ``traces`` in one arena (one branch: the recorded step), validate
+        the offsets in every branch, and make them the plan."""
         start = time.perf_counter()
-        problem, indices = placement_problem(trace)
+        trie = build_trie(traces)
+        problem, buffers = trie_problem(trie)
         solved = in_child(place, problem, time_limit_seconds=self.time_limit_seconds)
         validate_placement(problem, solved)
-        offsets = {k: solved.offsets_bytes[i] for i, k in enumerate(indices)}
+        offsets = {i: solved.offsets_bytes[j] for j, i in enumerate(buffers)}
+        lower_bound = validate_branches(trie, offsets, solved)
         # the recording steps' freed blocks go back to the OS before the arena is mapped (in
         # this untimed step, not on first touch in the first replayed step)
         self._previous = None
         self.native.release_free_memory()
         self.shared.reserve(solved.arena_bytes)
         self.planning_seconds += time.perf_counter() - start
-        self.plan = allocator.replay_plan(trace, offsets, solved.arena_bytes)
+        self.plan = branched_plan(trie, offsets, solved.arena_bytes)
+        self.traces = list(traces)
         self._unverified = self.native.verify_first_replay
         self.placement = ArenaPlacement(
             solved.arena_bytes,
-            problem.lower_bound_bytes,
+            lower_bound,
             solved.method,
             solved.status,
             solved.seconds,
-            trace.num_allocations,
-            len(indices),
+            sum(t.num_allocations for t in traces),
+            len(buffers),
+            len(traces),
         )
