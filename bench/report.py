@@ -16,6 +16,8 @@ ORDER = [
     "placement_hard",
     "run-b1",
     "run-b32",
+    "run-b32-partial",
+    "rss-b32",
     "optimizers",
     "loops",
     "architectures",
