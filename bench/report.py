@@ -15,6 +15,7 @@ ORDER = [
     "placement",
     "placement_hard",
     "run-b1",
+    "run-b1-time",
     "run-b32",
     "run-b32-partial",
     "rss-b32",
