@@ -84,10 +84,19 @@ def compare_with_eager(
     ``rss``: also the peak resident set of a steady-state step of each, each measured in a
     process of its own (:func:`steady_state_rss`); ``rss_repeats`` processes per side, the
     median kept (:func:`median_steady_state_rss`)."""
+    train = mode == "train"
+    # first, while this process holds no model: a large model's three copies here (eager,
+    # memplan, interpreted) beside a measuring process can exhaust the machine's memory
+    rss_report = (
+        _rss_report(
+            model_name, batch_size, allocator, rss_repeats, optimizer_name, time_limit_seconds, seed, recompute_copies
+        )
+        if rss and train
+        else {}
+    )
     w = build_workload(model_name, batch_size, seed=seed)
     eager_model = w.model
     memplan_model = copy.deepcopy(w.model)
-    train = mode == "train"
     for m in (eager_model, memplan_model):
         m.train(train)
     eager_opt = make_optimizer(optimizer_name, eager_model.parameters()) if train else None
@@ -163,17 +172,6 @@ def compare_with_eager(
             if eager.median_seconds()
             else None,
         }
-    rss_report = {}
-    if rss and train:
-        options = {"optimizer_name": optimizer_name, "time_limit_seconds": time_limit_seconds, "seed": seed}
-        rss_report = {
-            "rss": {
-                "eager": median_steady_state_rss(model_name, batch_size, "eager", rss_repeats, **options),
-                "memplan": median_steady_state_rss(
-                    model_name, batch_size, step.allocator, rss_repeats, recompute_copies=recompute_copies, **options
-                ),
-            }
-        }
     return {
         "model": model_name,
         "batch_size": batch_size,
@@ -200,6 +198,28 @@ def compare_with_eager(
 
 
 RSS_MEASURED_STEPS = 2
+
+
+def _rss_report(
+    model_name: str,
+    batch_size: int,
+    allocator: str,
+    repeats: int,
+    optimizer_name: str,
+    time_limit_seconds: float,
+    seed: int,
+    recompute_copies: bool,
+) -> dict[str, Any]:
+    """Peak RSS of eager's and memplan's steady-state steps, each side in fresh processes."""
+    options = {"optimizer_name": optimizer_name, "time_limit_seconds": time_limit_seconds, "seed": seed}
+    return {
+        "rss": {
+            "eager": median_steady_state_rss(model_name, batch_size, "eager", repeats, **options),
+            "memplan": median_steady_state_rss(
+                model_name, batch_size, allocator, repeats, recompute_copies=recompute_copies, **options
+            ),
+        }
+    }
 
 
 def median_steady_state_rss(
