@@ -316,6 +316,25 @@ def test_the_portfolio_is_never_worse_than_a_baseline(seed: int) -> None:
             assert plan.gap is not None and 0 <= plan.gap <= 1
 
 
+@pytest.mark.parametrize("seed", [2, 8])
+def test_the_portfolio_stops_at_its_gap_limit_and_says_feasible(seed: int) -> None:
+    """With a loose gap limit the portfolio stops after the baselines (no solver runs), says
+    "feasible" with a gap, and the gap holds against the proven optimum (gap limit 0)."""
+    rng = random.Random(seed)
+    graph = fwd_bwd_chain([rng.randint(10, 90) for _ in range(8)], [rng.randint(1, 9) for _ in range(8)])
+    budget = int(checkpoint_all(RematProblem(graph, 10**9)).peak_bytes * 0.75)
+    loose = solve_remat(graph, budget, 5.0, workers=1, gap_limit=0.5)
+    exact = solve_remat(graph, budget, 5.0, workers=1, gap_limit=0.0)
+    assert exact.status == "optimal" and loose.feasible and loose.compute_cost > loose.plain_cost
+    assert loose.status == "feasible" and loose.gap is not None and 0 < loose.gap <= 0.5
+    assert (loose.compute_cost - exact.compute_cost) / loose.compute_cost <= loose.gap + 1e-12
+    names = {str(a["name"]) for a in loose.details["attempts"]}  # type: ignore[union-attr]
+    assert names <= set(BASELINES) and "moccasin" not in names and "checkmate" not in names
+    timeline = loose.details["timeline"]
+    assert [t["cost"] for t in timeline] == sorted((t["cost"] for t in timeline), reverse=True)  # type: ignore[index]
+    assert timeline[-1]["cost"] == loose.compute_cost and timeline[-1]["from"] == loose.details["from"]  # type: ignore[index]
+
+
 def test_refined_decisions_lower_to_the_same_steps() -> None:
     graph = small_graph(3, 40)
     top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
