@@ -60,13 +60,17 @@ class Found:
 
     def __init__(self, start: float) -> None:
         self.start = start
-        self.last = 0.0
+        self.last: float | None = None
 
     def now(self) -> float:
         return time.perf_counter() - self.start
 
     def solution(self, _objective: float, _bound: float) -> None:
         self.last = self.now()
+
+    def at(self) -> float:
+        """The last improving solution's time; now when none was reported (the safe side)."""
+        return self.last if self.last is not None else self.now()
 
     def mark(self, plan: Any, seconds: float) -> Any:
         """``plan.details["found_at"]``: ``seconds`` (None for a plan without steps)."""

@@ -292,7 +292,7 @@ def solve_checkmate(
     plan.details["hinted"] = hinted
     chosen = _finish(problem, warm, plan, status.status, status.gap, start, solver)
     new = chosen is plan and (warm is None or plan.compute_cost < warm.compute_cost)
-    return found.mark(chosen, found.last if new else warm_at)
+    return found.mark(chosen, found.at() if new else warm_at)
 
 
 def _solve_model(

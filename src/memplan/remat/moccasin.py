@@ -697,7 +697,7 @@ def solve_moccasin(
     plan = schedule_from_decisions(problem, sg, rows, "moccasin", status.status, details={"rows": rows, **details})
     plan.gap = status.gap
     plan.seconds = time.perf_counter() - start
-    return found.mark(plan, found.last), status, details
+    return found.mark(plan, found.at()), status, details
 
 
 CUT_PROBE_SECONDS = 2.0
