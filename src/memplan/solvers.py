@@ -53,6 +53,31 @@ class _Progress(cp_model.CpSolverSolutionCallback):
             self._report(self.ObjectiveValue(), self.BestObjectiveBound())
 
 
+class Found:
+    """When a solver's improving solutions came, in seconds from ``start`` (its ``solution``
+    is a ``progress`` callback of :func:`solve_cp_sat`): a solve's time to its plan, which
+    may come long before the solve ends."""
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.last: float | None = None
+
+    def now(self) -> float:
+        return time.perf_counter() - self.start
+
+    def solution(self, _objective: float, _bound: float) -> None:
+        self.last = self.now()
+
+    def at(self) -> float:
+        """The last improving solution's time; now when none was reported (the safe side)."""
+        return self.last if self.last is not None else self.now()
+
+    def mark(self, plan: Any, seconds: float) -> Any:
+        """``plan.details["found_at"]``: ``seconds`` (None for a plan without steps)."""
+        plan.details["found_at"] = round(seconds, 3) if plan.steps else None
+        return plan
+
+
 _STOP: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar("memplan_solver_stop", default=None)
 
 

@@ -23,7 +23,7 @@ from memplan.remat import STRATEGIES, RematProblem, memory_floor, moccasin, solv
 from memplan.remat.baselines import BASELINES, checkpoint_all, solver_graph
 from memplan.remat.coarsen import coarsen, identity, refine_rows
 from memplan.remat.lower import InvalidPlan, lower, schedule_from_decisions, sequence_peak_bytes, validate_sequence
-from memplan.remat.milp import _finish
+from memplan.remat.milp import _finish, solve_checkmate
 from memplan.remat.moccasin import _phase1, add_hints, build_model, solve_moccasin, stage_cut_bound
 from memplan.remat.problem import NO_SPLIT, forward_end, run_cost
 from memplan.solvers import solve_cp_sat
@@ -314,6 +314,42 @@ def test_the_portfolio_is_never_worse_than_a_baseline(seed: int) -> None:
                 plan.status in ("optimal", "feasible") and plan.details["nodes_after"] <= plan.details["nodes_before"]
             )
             assert plan.gap is not None and 0 <= plan.gap <= 1
+
+
+@pytest.mark.parametrize("seed", [2, 8])
+def test_the_portfolio_stops_at_its_gap_limit_and_says_feasible(seed: int) -> None:
+    """With a loose gap limit the portfolio stops after the baselines (no solver runs), says
+    "feasible" with a gap, and the gap holds against the proven optimum (gap limit 0)."""
+    rng = random.Random(seed)
+    graph = fwd_bwd_chain([rng.randint(10, 90) for _ in range(8)], [rng.randint(1, 9) for _ in range(8)])
+    budget = int(checkpoint_all(RematProblem(graph, 10**9)).peak_bytes * 0.75)
+    loose = solve_remat(graph, budget, 5.0, workers=1, gap_limit=0.5)
+    exact = solve_remat(graph, budget, 5.0, workers=1, gap_limit=0.0)
+    assert exact.status == "optimal" and loose.feasible and loose.compute_cost > loose.plain_cost
+    assert loose.status == "feasible" and loose.gap is not None and 0 < loose.gap <= 0.5
+    assert (loose.compute_cost - exact.compute_cost) / loose.compute_cost <= loose.gap + 1e-12
+    names = {str(a["name"]) for a in loose.details["attempts"]}  # type: ignore[union-attr]
+    assert names <= set(BASELINES) and "moccasin" not in names and "checkmate" not in names
+    timeline = loose.details["timeline"]
+    assert [t["cost"] for t in timeline] == sorted((t["cost"] for t in timeline), reverse=True)  # type: ignore[index]
+    assert timeline[-1]["cost"] == loose.compute_cost and timeline[-1]["from"] == loose.details["from"]  # type: ignore[index]
+
+
+def test_the_milp_gap_limit_keeps_its_status_honest() -> None:
+    """Checkmate's MILP with a gap limit: "optimal" only at gap 0, else "feasible" with a gap
+    that holds against the exact optimum; the plan's ``found_at`` lies within the solve."""
+    graph = fwd_bwd_chain([40, 70, 20, 90, 30, 60], [3, 8, 2, 9, 4, 6])
+    budget = int(checkpoint_all(RematProblem(graph, 10**9)).peak_bytes * 0.8)
+    problem = RematProblem(graph, budget, time_limit_seconds=5.0, workers=1, max_solver_nodes=10**6)
+    exact = solve_checkmate(problem)
+    loose = solve_checkmate(problem, gap_limit=0.5)
+    assert exact.status == "optimal" and loose.feasible and exact.compute_cost <= loose.compute_cost
+    assert loose.status == "optimal" or (loose.status == "feasible" and loose.gap is not None)
+    assert loose.status != "optimal" or loose.compute_cost == exact.compute_cost
+    if loose.status == "feasible":
+        assert (loose.compute_cost - exact.compute_cost) / loose.compute_cost <= loose.gap + 1e-12  # type: ignore[operator]
+    for plan in (exact, loose):
+        assert 0 <= plan.details["found_at"] <= plan.seconds  # type: ignore[operator]
 
 
 def test_refined_decisions_lower_to_the_same_steps() -> None:

@@ -44,7 +44,7 @@ from memplan.remat.coarsen import SolverGraph
 from memplan.remat.highs import require_highs, solve_highs
 from memplan.remat.lower import schedule_from_decisions
 from memplan.remat.problem import RematProblem, RematSchedule
-from memplan.solvers import SolveStatus, solve_cp_sat
+from memplan.solvers import Found, SolveStatus, solve_cp_sat
 
 MEMORY_STEPS = 50_000_000
 COST_STEPS = 100_000
@@ -257,42 +257,63 @@ def check_solver(solver: str) -> None:
         require_highs()
 
 
-def solve_checkmate(problem: RematProblem, warm: RematSchedule | None = None, solver: str = "cp-sat") -> RematSchedule:
+def solve_checkmate(
+    problem: RematProblem, warm: RematSchedule | None = None, solver: str = "cp-sat", gap_limit: float = 0.0
+) -> RematSchedule:
     """Checkmate's MILP, warm-started from the best baseline; never worse than that baseline.
 
-    ``solver``: "cp-sat" (OR-Tools, in process) or "highs" (optional, in a child process)."""
+    ``solver``: "cp-sat" (OR-Tools, in process) or "highs" (optional, in a child process).
+    ``gap_limit``: CP-SAT stops once its plan is proven within this fraction of its bound
+    (``relative_gap_limit``; the objective 4.3 is the whole step's compute, so the gap is
+    relative to it); 0 searches until optimal or out of time. ``details["found_at"]``: the
+    seconds from the call's start until the returned plan was found (the baselines' end for
+    a baseline's plan, else the MILP's last improving solution)."""
     check_solver(solver)
     start = time.perf_counter()
     sg = solver_graph(problem)
     warm = warm if warm is not None else best_baseline(problem)
+    found = Found(start)
+    warm_at = found.now()
     if warm is not None and warm.compute_cost <= problem.plain_cost:
         # no recomputation: no plan can cost less than running every op once
-        return _finish(problem, warm, None, "optimal", 0.0, start, solver)
+        return found.mark(_finish(problem, warm, None, "optimal", 0.0, start, solver), warm_at)
     mm = build_model(sg, problem.budget_bytes, problem.graph.persistent_bytes)
     hinted = False
     if warm is not None and "rows" in warm.details:
         hinted = complete_hints(mm, sg, warm.details["rows"], problem.time_limit_seconds / 4)  # type: ignore[arg-type]
     exact = all(len(members) == 1 for members in sg.groups)
     if mm.infeasible:
-        return _finish(problem, warm, None, "infeasible", None, start, solver, exact)
+        return found.mark(_finish(problem, warm, None, "infeasible", None, start, solver, exact), warm_at)
     left = max(0.1, problem.time_limit_seconds - (time.perf_counter() - start))
-    status, rows_ = _solve_model(mm, sg.size, problem.with_time_limit(left), solver)
+    status, rows_ = _solve_model(mm, sg.size, problem.with_time_limit(left), solver, gap_limit, found)
     if rows_ is None:
-        return _finish(problem, warm, None, status.status, status.gap, start, solver, exact)
+        return found.mark(_finish(problem, warm, None, status.status, status.gap, start, solver, exact), warm_at)
     plan = schedule_from_decisions(problem, sg, rows_, "checkmate", status.status)
     plan.details["hinted"] = hinted
-    return _finish(problem, warm, plan, status.status, status.gap, start, solver)
+    chosen = _finish(problem, warm, plan, status.status, status.gap, start, solver)
+    new = chosen is plan and (warm is None or plan.compute_cost < warm.compute_cost)
+    return found.mark(chosen, found.at() if new else warm_at)
 
 
-def _solve_model(mm: _Model, n: int, problem: RematProblem, solver: str) -> tuple[SolveStatus, list[list[int]] | None]:
+def _solve_model(
+    mm: _Model, n: int, problem: RematProblem, solver: str, gap_limit: float = 0.0, found: Found | None = None
+) -> tuple[SolveStatus, list[list[int]] | None]:
     """Solve the model with ``solver``; the status and ``R`` as rows (None without a solution)."""
     if solver == "highs":
         continuous = [u.index for u in mm.U.values()]
         status, x = solve_highs(mm.model, problem.time_limit_seconds, continuous=continuous, threads=problem.workers)
+        if found is not None:
+            found.last = found.now()  # HiGHS reports no timeline: its end
         if status.status not in ("optimal", "feasible") or x is None:
             return status, None
         return status, rows_from_values(mm, lambda var: x[var.index], n)
-    cp, status = solve_cp_sat(mm.model, problem.time_limit_seconds, workers=problem.workers)
+    cp, status = solve_cp_sat(
+        mm.model,
+        problem.time_limit_seconds,
+        workers=problem.workers,
+        progress=found.solution if found is not None else None,
+        parameters={"relative_gap_limit": gap_limit} if gap_limit > 0 else None,
+    )
     if status.status not in ("optimal", "feasible"):
         return status, None
     return status, rows_from_solution(mm, cp, n)

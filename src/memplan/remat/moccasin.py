@@ -69,7 +69,7 @@ from memplan.graph.ir import Category
 from memplan.remat.coarsen import SolverGraph
 from memplan.remat.lower import schedule_from_decisions
 from memplan.remat.problem import RematProblem, RematSchedule, recompute_skips_mutation, rerun_limits
-from memplan.solvers import SolveStatus, solve_cp_sat
+from memplan.solvers import Found, SolveStatus, solve_cp_sat
 
 RUNS_PER_NODE = 2
 """Moccasin's C: the paper's default, the first run and one recompute."""
@@ -640,7 +640,9 @@ def solve_moccasin(
 ) -> tuple[RematSchedule | None, SolveStatus, dict[str, object]]:
     """Solve Moccasin over ``sg``: the lowered plan (None without one), the solver's status
     (objective and bound in the problem's cost units) and details for the result. The search
-    stops once the plan is proven within ``gap_limit`` of the optimum (relative).
+    stops once the plan is proven within ``gap_limit`` of the optimum (relative);
+    ``plan.details["found_at"]``: seconds from the call's start to the search's last improving
+    solution.
 
     ``hint_rows``: decisions of a plan within the budget, to start from. Without one, a
     search that finds no plan in :data:`FIRST_PLAN_SHARE` of the time stops, and phase 1
@@ -670,7 +672,8 @@ def solve_moccasin(
     # without a plan to start from, give up on the direct search after a while and look for a
     # first plan with phase 1 instead
     stall = None if hinted else FIRST_PLAN_SHARE * limit
-    solver, status = _solve(cm, problem, limit - (time.perf_counter() - start), parameters, stall)
+    found = Found(start)
+    solver, status = _solve(cm, problem, limit - (time.perf_counter() - start), parameters, stall, found)
     if status.status not in ("optimal", "feasible", "infeasible") and not hinted:
         left = limit - (time.perf_counter() - start)
         rows, details["phase1"] = _phase1(problem, sg, start_rows, runs_per_node, left * PHASE1_SHARE, defer)
@@ -679,7 +682,7 @@ def solve_moccasin(
                 sg, problem.budget_bytes, problem.graph.persistent_bytes, runs_per_node, defer, stage_cuts=cuts
             )
             hinted = add_hints(cm, sg, rows)
-            solver, status = _solve(cm, problem, limit - (time.perf_counter() - start), parameters, None)
+            solver, status = _solve(cm, problem, limit - (time.perf_counter() - start), parameters, None, found)
     status = _with_bound(_in_cost_units(status, cm.cost_unit), cut_bound)
     details.update(
         events=cm.events.horizon - 1,
@@ -694,7 +697,7 @@ def solve_moccasin(
     plan = schedule_from_decisions(problem, sg, rows, "moccasin", status.status, details={"rows": rows, **details})
     plan.gap = status.gap
     plan.seconds = time.perf_counter() - start
-    return plan, status, details
+    return found.mark(plan, found.at()), status, details
 
 
 CUT_PROBE_SECONDS = 2.0
@@ -726,10 +729,20 @@ def _with_bound(status: SolveStatus, bound: float | None) -> SolveStatus:
 
 
 def _solve(
-    cm: CpModel, problem: RematProblem, seconds: float, parameters: dict[str, object], stall: float | None
+    cm: CpModel,
+    problem: RematProblem,
+    seconds: float,
+    parameters: dict[str, object],
+    stall: float | None,
+    found: Found | None = None,
 ) -> tuple[cp_model.CpSolver, SolveStatus]:
     return solve_cp_sat(
-        cm.model, max(0.05, seconds), workers=problem.workers, parameters=parameters, first_solution_seconds=stall
+        cm.model,
+        max(0.05, seconds),
+        workers=problem.workers,
+        parameters=parameters,
+        first_solution_seconds=stall,
+        progress=found.solution if found is not None else None,
     )
 
 

@@ -50,7 +50,8 @@ EVENTS_PER_SECOND = 4000
 """Largest CP model (events) per second of time limit that solves on the whole graph; above it
 the graph is coarsened until the model fits (measured on the zoo, 2 cores)."""
 GAP_LIMIT = 1e-3
-"""Stop once the plan is proven within 0.1% of the optimum's compute."""
+"""Stop once the plan is proven within 0.1% of the whole step's compute of the best bound
+(``gap_limit`` of :func:`solve_remat`)."""
 CP_SHARE = 0.8
 """The CP model's share of the time left on graphs small enough for the MILP to run after it."""
 MILP_MIN_SECONDS = 8.0
@@ -105,6 +106,14 @@ def solve_remat(
     portfolio found. ``cost``/``workspace``: per op, as in :class:`RematProblem`. ``reorder``:
     the CP model may run an op first later than program order (joint recomputation and
     reordering, see :func:`memplan.remat.moccasin.solve_moccasin`).
+
+    ``gap_limit`` (default :data:`GAP_LIMIT`, 0.1%): the stopping rule of MIP solvers. The
+    portfolio stops, and calls off the members still to run, as soon as its plan is proven
+    within this gap: ``(plan's cost - best bound) / plan's cost``, costs being the whole step's
+    compute (so 0.001 = 0.1% of the step). Each CP-SAT search gets it as its
+    ``relative_gap_limit``. Such a plan's status is "feasible" with its ``gap``, never
+    "optimal"; 0 searches until optimal or out of time. ``details["timeline"]``: each plan
+    kept, in order, with the seconds from the call's start at which it was found.
     """
     start = time.perf_counter()
     report = progress or (lambda _: None)
@@ -158,6 +167,7 @@ class _Portfolio:
         self.sg_of: dict[str, SolverGraph] = {}
         self.lowest: RematSchedule | None = None
         self.reorder = reorder
+        self.timeline: list[dict[str, object]] = []
 
     def left(self) -> float:
         return self.problem.time_limit_seconds - (time.perf_counter() - self.start)
@@ -177,8 +187,10 @@ class _Portfolio:
             return None
         return max(0.0, self.best.compute_cost - self.bound) / self.best.compute_cost
 
-    def offer(self, plan: RematSchedule | None, source: str, sg: SolverGraph) -> bool:
-        """Keep ``plan`` if it is valid, fits and is cheaper than the best so far."""
+    def offer(self, plan: RematSchedule | None, source: str, sg: SolverGraph, began: float | None = None) -> bool:
+        """Keep ``plan`` if it is valid, fits and is cheaper than the best so far, and note in
+        the timeline when it was found: ``began`` (the clock when its solver started) plus its
+        ``details["found_at"]``, else now."""
         if plan is None or not plan.feasible:
             return False
         try:
@@ -190,6 +202,9 @@ class _Portfolio:
             return False
         plan.details["from"] = source
         self.best = plan
+        found_at = plan.details.get("found_at")
+        at = began + found_at if began is not None and isinstance(found_at, float | int) else time.perf_counter()
+        self.timeline.append({"seconds": round(at - self.start, 3), "cost": plan.compute_cost, "from": source})
         self.sg_of[source] = sg
         return True
 
@@ -217,6 +232,7 @@ class _Portfolio:
         share = self.left() * (CP_SHARE if milp_after else 1.0) - MARGIN_SECONDS
         self.report(f"moccasin on {sg.size} nodes ({share:.0f} s)")
         problem = self.problem_for(sg)
+        began = time.perf_counter()
         plan, status, details = solve_moccasin(
             problem, sg, hint, runs_per_node, share, self.gap_limit, self.reorder, start_rows
         )
@@ -224,7 +240,7 @@ class _Portfolio:
             {**_attempt("moccasin", plan, status.seconds, sg.size), "solver_status": status.status, **details}
         )
         self.take_bound(details.get("bound"), str(details["scope"]), sg)
-        self.offer(plan, "moccasin", sg)
+        self.offer(plan, "moccasin", sg, began)
         if status.status == "optimal" and plan is not None and self.best is not None:
             # the best plan costs no more than the proven optimum of the CP model's scope
             self.proved_optimal = self.best.compute_cost <= plan.compute_cost
@@ -250,11 +266,11 @@ class _Portfolio:
         warm = self.best if self.best is not None and self._same_graph(sg) else None
         self.report(f"checkmate MILP on {sg.size} nodes ({problem.time_limit_seconds:.0f} s)")
         began = time.perf_counter()
-        plan = solve_checkmate(problem, warm)
+        plan = solve_checkmate(problem, warm, gap_limit=self.gap_limit)
         attempt = _attempt("checkmate", plan, time.perf_counter() - began, sg.size)
         attempt["solver_status"] = plan.details.get("solver_status", plan.status)
         self.attempts.append(attempt)
-        kept = self.offer(plan, "checkmate", sg)
+        kept = self.offer(plan, "checkmate", sg, began)
         if kept and plan.gap is not None:
             scope = "plans in program order (Checkmate's MILP on the whole graph)"
             self.take_bound(plan.compute_cost * (1 - plan.gap), scope, sg)
@@ -318,6 +334,7 @@ class _Portfolio:
             "floor_bytes": floor_bytes,
             "scope": self.scope,
             "bound": self.bound,
+            "timeline": self.timeline,
         }
         if self.best is None:
             proofs = [a for a in self.attempts if a.get("status") == "infeasible"]
