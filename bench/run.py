@@ -105,52 +105,10 @@ def _rss_runs(side: dict) -> str:
     return f"{median} ({min(runs) / 2**20:.0f}-{max(runs) / 2**20:.0f} MiB, {len(runs)} runs)"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--optimizer", default="adam")
-    parser.add_argument("--models", default=",".join(list_models()))
-    parser.add_argument("--time-limit", type=float, default=10.0)
-    parser.add_argument("--allocator", default="auto", choices=["auto", "replay", "views"])
-    parser.add_argument("--no-recompute", action="store_true", help="keep every forward copy (no recomputed cat/clone)")
-    parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS runs (two extra processes per model)")
-    parser.add_argument(
-        "--no-interpreter",
-        action="store_true",
-        help="no third model copy timed with the interpreted executor (XLM-R's three copies need 16 GiB)",
-    )
-    parser.add_argument("--rss-repeats", type=int, default=3, help="processes per side for RSS (median shown)")
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--from-json", default=None, help="rebuild the table from a previous run's JSON")
-    args = parser.parse_args()
-    out = Path(args.out or Path(__file__).parent / "results" / f"run-b{args.batch}.md")
-    command = " ".join(["python bench/run.py", *sys.argv[1:]])
-    rows, reports = [], []
-    if args.from_json:
-        reports = json.loads(Path(args.from_json).read_text())
-        rows = [row(r) for r in reports]
-        command = f"python bench/run.py --batch {args.batch} --steps {reports[0]['steps']}"
-    for model in [] if args.from_json else args.models.split(","):
-        start = time.perf_counter()
-        r = compare_with_eager(
-            model,
-            args.batch,
-            args.steps,
-            "train",
-            args.optimizer,
-            time_limit_seconds=args.time_limit,
-            allocator=args.allocator,
-            recompute_copies=not args.no_recompute,
-            time_interpreter=not args.no_interpreter,
-            rss=not args.no_rss,
-            rss_repeats=args.rss_repeats,
-        )
-        reports.append(r)
-        rows.append(row(r))
-        print(rows[-1], f"({time.perf_counter() - start:.0f} s)", flush=True)
+def write_results(out: Path, command: str, batch: int, rows: list[str], reports: list[dict]) -> None:
+    """The table (with its notes) to ``out`` and the reports to ``out``'s .json twin."""
     lines = [
-        f"# memplan vs eager PyTorch, training, batch {args.batch} (CPU)",
+        f"# memplan vs eager PyTorch, training, batch {batch} (CPU)",
         "",
         f"Regenerate: `{command}`",
         "",
@@ -174,6 +132,56 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps(reports, indent=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--optimizer", default="adam")
+    parser.add_argument("--models", default=",".join(list_models()))
+    parser.add_argument("--time-limit", type=float, default=10.0)
+    parser.add_argument("--allocator", default="auto", choices=["auto", "replay", "views"])
+    parser.add_argument("--no-recompute", action="store_true", help="keep every forward copy (no recomputed cat/clone)")
+    parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS runs (two extra processes per model)")
+    parser.add_argument(
+        "--no-interpreter",
+        action="store_true",
+        help="no third model copy timed with the interpreted executor (XLM-R's three copies need 16 GiB)",
+    )
+    parser.add_argument("--rss-repeats", type=int, default=3, help="processes per side for RSS (median shown)")
+    parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--from-json", nargs="+", default=None, help="rebuild the table from previous runs' JSON (rows in file order)"
+    )
+    args = parser.parse_args()
+    out = Path(args.out or Path(__file__).parent / "results" / f"run-b{args.batch}.md")
+    command = " ".join(["python bench/run.py", *sys.argv[1:]])
+    rows, reports = [], []
+    if args.from_json:
+        reports = [r for path in args.from_json for r in json.loads(Path(path).read_text())]
+        rows = [row(r) for r in reports]
+        command = f"python bench/run.py --batch {args.batch} --steps {reports[0]['steps']}"
+    for model in [] if args.from_json else args.models.split(","):
+        start = time.perf_counter()
+        r = compare_with_eager(
+            model,
+            args.batch,
+            args.steps,
+            "train",
+            args.optimizer,
+            time_limit_seconds=args.time_limit,
+            allocator=args.allocator,
+            recompute_copies=not args.no_recompute,
+            time_interpreter=not args.no_interpreter,
+            rss=not args.no_rss,
+            rss_repeats=args.rss_repeats,
+        )
+        reports.append(r)
+        rows.append(row(r))
+        print(rows[-1], f"({time.perf_counter() - start:.0f} s)", flush=True)
+        write_results(out, command, args.batch, rows, reports)  # a later model's crash keeps these rows
+    write_results(out, command, args.batch, rows, reports)
     print(f"wrote {out}", file=sys.stderr)
 
 
