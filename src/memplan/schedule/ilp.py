@@ -586,8 +586,9 @@ def _search_ideals(
     start: float,
     say: Callable[[str], None],
 ) -> tuple[list[Candidate], int]:
-    """The exact search over ideals (cap bisection from the lower bound), then the cut bound on
-    its best order: returns the candidates (its order first when better) and the bound."""
+    """The exact search over ideals (cap bisection from the lower bound), then the cut and
+    ordering bounds on its best order and, where they rose, the search again from the raised
+    bound: returns the candidates (the best order first) and the bound."""
     graph = problem.graph
     deadline = start + IDEAL_SHARE * problem.time_limit_seconds
     reach = Reachability.of(graph)
