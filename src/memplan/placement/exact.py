@@ -57,10 +57,7 @@ ROLL_SHARE = 0.4
 REPAIR_SHARE = 0.7
 # Hole filling along time runs first in the stages, with this share of the time left, on
 # problems whose load equals the lower bound at least this share of the time: it is complete
-# where there is no slack, and its branching grows with the slack. Where it fails, the rolled
-# windows (which place other perfect packings, guillotine cuts among them, in a second or
-# two) run before it gets a second turn, with the second share of the time then left.
-HOLEFILL_FIRST_SHARE = 0.25
+# where there is no slack, and its branching grows with the slack.
 HOLEFILL_SHARE = 0.5
 HOLEFILL_MIN_TIGHT = 0.85
 # A CP-SAT stage is skipped when fewer seconds than this are left: loading a model of
@@ -219,8 +216,7 @@ def solve_exact(
     (:func:`memplan.placement.rolling.roll_from_peak`, :func:`memplan.placement.repair.reach_bound`),
     ``search=False`` the canonical search (CP-SAT alone), ``hole_filling=False`` the hole
     filling along time (:mod:`memplan.placement.holefill`) tried first on problems whose load
-    meets the bound most of the time (:data:`HOLEFILL_FIRST_SHARE` of the time), and again
-    after the rolled windows.
+    meets the bound most of the time.
     """
     t0 = time.perf_counter()
     deadline = t0 + time_limit_seconds
@@ -306,16 +302,16 @@ class _Stages:
     repair: bool
     hole_filling: bool
 
-    def _fill_holes(self, bound: int, stop: threading.Event | None, share: float) -> Placement | None:
+    def _fill_holes(self, bound: int, stop: threading.Event | None) -> Placement | None:
         """Hole filling along time (:mod:`memplan.placement.holefill`) at the lower bound, with
-        ``share`` of the time left, when the load meets the bound at least
+        :data:`HOLEFILL_SHARE` of the time left, when the load meets the bound at least
         :data:`HOLEFILL_MIN_TIGHT` of the time."""
         problem = self.problem
         if not (self.hole_filling and holefill_applies(problem) and bound <= problem.lower_bound_bytes):
             return None
-        if tight_share(problem) < HOLEFILL_MIN_TIGHT or _is_set(stop):
+        if tight_share(problem) < HOLEFILL_MIN_TIGHT:
             return None
-        budget = time.perf_counter() + share * _left(self.deadline)
+        budget = time.perf_counter() + HOLEFILL_SHARE * _left(self.deadline)
         return fill_at_bound(problem, budget, stop=lambda: _is_set(stop))
 
     def run(
@@ -325,21 +321,18 @@ class _Stages:
         is not refuted), then CP-SAT (pyramid first). ``stop``, once set, skips what is left."""
         problem, t0, deadline = self.problem, self.t0, self.deadline
         workers = workers or self.workers
-        # The windows aim at the lower bound only: pointless once it is refuted.
-        repaired = self.repair and repair_applies(problem) and bound <= problem.lower_bound_bytes
-        filled = self._fill_holes(bound, stop, HOLEFILL_FIRST_SHARE if repaired else HOLEFILL_SHARE)
+        filled = self._fill_holes(bound, stop)
         if filled is not None:
             return _restamp(filled, filled.method, "optimal", t0, bound)
         blocks = make_blocks(problem)
         unit = blocks.unit_bytes
+        # The windows aim at the lower bound only: pointless once it is refuted.
+        repaired = self.repair and repair_applies(problem) and bound <= problem.lower_bound_bytes
         if repaired:
             stage_start, rest = time.perf_counter(), _left(deadline)
             rolled, unreachable = roll_from_peak(problem, ROLL_SHARE * rest)
             if rolled is not None:
                 return _restamp(rolled, rolled.method, "optimal", t0, bound)
-            filled = None if unreachable else self._fill_holes(bound, stop, HOLEFILL_SHARE)
-            if filled is not None:
-                return _restamp(filled, filled.method, "optimal", t0, bound)
             budget = min(REPAIR_SHARE * rest - (time.perf_counter() - stage_start), _left(deadline))
             if not unreachable and not _is_set(stop):
                 best, unreachable = reach_bound(problem, best, max(0.0, budget), workers)
