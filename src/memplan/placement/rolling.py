@@ -177,9 +177,10 @@ def roll_from_peak(
 ) -> tuple[Placement | None, bool]:
     """Roll exact windows outward from the peak at capacity = lower bound within ``seconds``,
     from a first window of each of ``half_widths`` in turn until one roll completes. A roll
-    ends when it completes or gives up (no backtrack depth fits), which takes a bounded number
-    of deterministic steps, so each width may use all the time left: under load the first
-    width, the one that completes on every generated instance, is not cut off for the others.
+    ends when it completes or gives up (no backtrack depth fits), after a bounded number of
+    deterministic steps, and each width may use all the time left: under load the first width
+    (every roll that completes in bench/results/placement_hard.md starts with it) is not cut
+    off for the others. On large perfect packings a failing roll can use the whole budget.
 
     Returns (a placement of arena ``L`` or ``None``, whether a first window proved ``L``
     unreachable). Needs interval conflicts without fixed offsets or contiguous groups
