@@ -330,7 +330,7 @@ class _Stages:
         repaired = self.repair and repair_applies(problem) and bound <= problem.lower_bound_bytes
         if repaired:
             stage_start, rest = time.perf_counter(), _left(deadline)
-            rolled, unreachable = roll_from_peak(problem, ROLL_SHARE * rest, workers)
+            rolled, unreachable = roll_from_peak(problem, ROLL_SHARE * rest)
             if rolled is not None:
                 return _restamp(rolled, rolled.method, "optimal", t0, bound)
             budget = min(REPAIR_SHARE * rest - (time.perf_counter() - stage_start), _left(deadline))

@@ -23,6 +23,11 @@ greedy part misses ``L`` at a later spike. :func:`roll_from_peak` keeps going in
 Every packing kept is under ``L``, so a complete roll is a placement of arena ``L``
 (validated by the caller). The search is incomplete: it gives up a side when no backtrack
 depth fits, or at the deadline.
+
+Each exact step is one single-worker CP-SAT solve (the bottom-left fixed search, which is what
+finds these packings) cut off by a deterministic limit, :data:`STEP_DETERMINISTIC`, not by the
+wall clock: a step's verdict, and so the roll's path, do not depend on the machine's load; only
+the roll's deadline does.
 """
 
 from __future__ import annotations
@@ -45,13 +50,18 @@ HALF_WIDTHS = (4, 8, 2, 16)
 STEP = 8
 # Backtrack depths (time steps before the failure whose placed buffers are unfixed), in turn.
 BACKTRACK = (0, 8, 32, 128, 512)
-# Seconds for one CP-SAT call; most answer in a fraction of this.
-STEP_SECONDS = 0.7
+# CP-SAT's deterministic time for one step (OR-Tools 9.15 counts about 0.04 for 0.7 s of one
+# core on these no-overlap models): the steps of the rolls that complete on the generated tight
+# packings need at most 0.012; a step past the limit counts as failed (the roll backtracks).
+STEP_DETERMINISTIC = 0.03
 MIN_STEP_SECONDS = 0.05
 # Presolve merges the per-time no-overlap cliques for seconds on thousands of rectangles;
 # windows are small and fixed-search, so skip that merge.
 # (Older OR-Tools lack that parameter; then the merge runs.)
-_PARAMETERS: dict[str, object] = {"search_branching": cp_model.FIXED_SEARCH}
+_PARAMETERS: dict[str, object] = {
+    "search_branching": cp_model.FIXED_SEARCH,
+    "max_deterministic_time": STEP_DETERMINISTIC,
+}
 if "merge_no_overlap_work_limit" in sat_parameters_pb2.SatParameters.DESCRIPTOR.fields_by_name:
     _PARAMETERS["merge_no_overlap_work_limit"] = 0.0
 
@@ -59,10 +69,9 @@ if "merge_no_overlap_work_limit" in sat_parameters_pb2.SatParameters.DESCRIPTOR.
 class _Roll:
     """A partial placement under ``L`` (in units) rolled outward in time."""
 
-    def __init__(self, problem: PlacementProblem, workers: int, deadline: float) -> None:
+    def __init__(self, problem: PlacementProblem, deadline: float) -> None:
         assert problem.lifetimes is not None
         self.problem = problem
-        self.workers = workers
         self.deadline = deadline
         self.unit = unit_bytes(problem)
         self.cap = problem.lower_bound_bytes // self.unit
@@ -98,7 +107,7 @@ class _Roll:
         """Fit the ``free`` buffers under ``L`` around the other placed buffers; True if done.
         With ``clip`` = (lo, hi), lifetimes are cut to ``[lo, hi)`` (exact when every buffer
         involved meets that window: Helly)."""
-        seconds = min(STEP_SECONDS, self.left())
+        seconds = self.left()
         if seconds < MIN_STEP_SECONDS:
             return False
         free = free & (self.sizes > 0)
@@ -123,7 +132,7 @@ class _Roll:
         addr_iv += [model.new_fixed_size_interval_var(int(self.offsets[b]), int(self.sizes[b]), "") for b in fixed]
         model.add_no_overlap_2d(time_iv, addr_iv)
         model.add_decision_strategy(xs, cp_model.CHOOSE_LOWEST_MIN, cp_model.SELECT_MIN_VALUE)
-        solver, status = solve_cp_sat(model, seconds, workers=self.workers, parameters=dict(_PARAMETERS))
+        solver, status = solve_cp_sat(model, seconds, workers=1, parameters=dict(_PARAMETERS))
         self.cp_calls += 1
         self.last_status = status.status
         if status.status not in ("optimal", "feasible"):
@@ -164,10 +173,14 @@ class _Roll:
 
 
 def roll_from_peak(
-    problem: PlacementProblem, seconds: float, workers: int = 2, half_widths: tuple[int, ...] = HALF_WIDTHS
+    problem: PlacementProblem, seconds: float, half_widths: tuple[int, ...] = HALF_WIDTHS
 ) -> tuple[Placement | None, bool]:
     """Roll exact windows outward from the peak at capacity = lower bound within ``seconds``,
-    from a first window of each of ``half_widths`` in turn until one roll completes.
+    from a first window of each of ``half_widths`` in turn until one roll completes. A roll
+    ends when it completes or gives up (no backtrack depth fits), after a bounded number of
+    deterministic steps, and each width may use all the time left: under load the first width
+    (every roll that completes in bench/results/placement_hard.md starts with it) is not cut
+    off for the others. On large perfect packings a failing roll can use the whole budget.
 
     Returns (a placement of arena ``L`` or ``None``, whether a first window proved ``L``
     unreachable). Needs interval conflicts without fixed offsets or contiguous groups
@@ -175,13 +188,10 @@ def roll_from_peak(
     """
     t0 = time.perf_counter()
     deadline = t0 + seconds
-    for i, half_width in enumerate(half_widths):
-        left = deadline - time.perf_counter()
-        if left < MIN_STEP_SECONDS:
+    for half_width in half_widths:
+        if deadline - time.perf_counter() < MIN_STEP_SECONDS:
             break
-        # A stuck roll must leave time to the next widths: each gets twice its fair share.
-        share = left if i == len(half_widths) - 1 else min(left, 2 * left / (len(half_widths) - i))
-        placement, unreachable = _roll_once(problem, half_width, time.perf_counter() + share, workers)
+        placement, unreachable = _roll_once(problem, half_width, deadline)
         if placement is not None or unreachable:
             if placement is not None:
                 placement = replace(placement, seconds=time.perf_counter() - t0)
@@ -189,13 +199,11 @@ def roll_from_peak(
     return None, False
 
 
-def _roll_once(
-    problem: PlacementProblem, half_width: int, deadline: float, workers: int
-) -> tuple[Placement | None, bool]:
+def _roll_once(problem: PlacementProblem, half_width: int, deadline: float) -> tuple[Placement | None, bool]:
     t0 = time.perf_counter()
     peak = int(np.argmax(load_profile(problem)))
     lo, hi = peak - half_width, peak + half_width + 1
-    roll = _Roll(problem, workers, deadline)
+    roll = _Roll(problem, deadline)
     window = (roll.starts < hi) & (roll.ends > lo)
     if not roll.fit(window, clip=(lo, hi)):
         return None, roll.last_status == "infeasible"

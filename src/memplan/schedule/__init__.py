@@ -43,9 +43,10 @@ def optimize_order(
     """The best order found for ``graph``: "heuristic" runs the portfolio only; "ilp" and
     "auto" then run the exact search over ideals (:mod:`memplan.schedule.ideals`: a cap
     bisection from the lower bound, segment by segment, which finds the optimum and proves it on
-    most training steps), the cut bound (:mod:`memplan.schedule.bounds`) where a gap is left,
-    and the CP-SAT model (OLLA eq. 14) warm-started from the best order with the time left
-    ("auto" falls back to the portfolio on graphs too large for the model)."""
+    most training steps), the cut and ordering bounds (:mod:`memplan.schedule.bounds`) where a
+    gap is left, the search again from a raised bound, and the CP-SAT model (OLLA eq. 14)
+    warm-started from the best order with the time left ("auto" falls back to the portfolio on
+    graphs too large for the model)."""
     problem = ScheduleProblem(
         graph,
         time_limit_seconds=time_limit_seconds,

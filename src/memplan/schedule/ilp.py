@@ -29,14 +29,17 @@ timesteps). Consequences, and how each OLLA technique is used:
   decoding (Function 1) sorts the ops by the timestep at which ``R`` turns 1.
 
 Before the model, :func:`optimize_ilp` runs the exact search over ideals
-(:mod:`memplan.schedule.ideals`) with :data:`IDEAL_SHARE` of the time, then the cut bound
-(:mod:`memplan.schedule.bounds`) if a gap is left; the model only runs if the best order is
-still above the best proven bound.
+(:mod:`memplan.schedule.ideals`) with :data:`IDEAL_SHARE` of the time, then, if a gap is
+left, the cut bound and the ordering bound (:mod:`memplan.schedule.bounds`) and, where they
+raised the bound, the search again from it (a probe at a bound that is met finds the order
+at once; the first search spent its time below it); the model only runs if the best order
+is still above the best proven bound.
 
 A result is "optimal" only when its peak meets a proven lower bound: the search over ideals
-exhausted the cap below it, or every segment that can reach the peak was solved exactly on
-the original graph (no control edges, no windows); otherwise it is "feasible" with the gap
-to the best valid lower bound. It is never worse than the best heuristic.
+exhausted the cap below it, a bound of :mod:`memplan.schedule.bounds` meets it, or every
+segment that can reach the peak was solved exactly on the original graph (no control edges,
+no windows); otherwise it is "feasible" with the gap to the best valid lower bound. It is
+never worse than the best heuristic.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from memplan.graph.analysis import Reachability, necessarily_resident_bytes, pea
 from memplan.graph.check import validate_order
 from memplan.graph.ir import Category, Graph, OpId
 from memplan.graph.liveness import memory_timeline, peak_bytes, positions
-from memplan.schedule.bounds import cut_lower_bound
+from memplan.schedule.bounds import ORDERING_OPS, cut_lower_bound, ordering_bound
 from memplan.schedule.early_updates import enforce_early_weight_updates, map_order
 from memplan.schedule.heuristics import Candidate, early_release_ops, free_sources, hoist_free_sources, portfolio
 from memplan.schedule.ideals import minimise_peak
@@ -566,7 +569,12 @@ def optimize_ilp(problem: ScheduleProblem, report: Callable[[str], None] | None 
 # Share of the time limit given to the search over ideals (memplan.schedule.ideals) before the
 # CP-SAT model; then, if a gap is left, up to this share of what is left to the cut bound.
 IDEAL_SHARE = 0.5
-CUT_SHARE = 0.2
+CUT_SHARE = 0.4
+# Then up to this share of what is left to the ordering bound over the ops with the highest
+# floors, and, where the bound rose, this share of the time then left to a second search over
+# ideals from the raised bound.
+ORDERING_SHARE = 0.2
+SEARCH_AGAIN_SHARE = 0.6
 # The CP-SAT stage is not started with less time than this left.
 MIN_ILP_SECONDS = 1.0
 
@@ -578,8 +586,9 @@ def _search_ideals(
     start: float,
     say: Callable[[str], None],
 ) -> tuple[list[Candidate], int]:
-    """The exact search over ideals (cap bisection from the lower bound), then the cut bound on
-    its best order: returns the candidates (its order first when better) and the bound."""
+    """The exact search over ideals (cap bisection from the lower bound), then the cut and
+    ordering bounds on its best order and, where they rose, the search again from the raised
+    bound: returns the candidates (the best order first) and the bound."""
     graph = problem.graph
     deadline = start + IDEAL_SHARE * problem.time_limit_seconds
     reach = Reachability.of(graph)
@@ -592,10 +601,44 @@ def _search_ideals(
         candidates = [Candidate("ideal-search", found.order, found.peak_bytes), *candidates]
     best = candidates[0]
     if best.peak_bytes > lower_bytes:
-        left = start + problem.time_limit_seconds - time.perf_counter()
-        cut = cut_lower_bound(graph, best.order, lower_bytes, time.perf_counter() + CUT_SHARE * max(left, 0.0))
-        lower_bytes = max(lower_bytes, cut.bound_bytes)
+        left = max(0.0, start + problem.time_limit_seconds - time.perf_counter())
+        raised = _raise_bound(graph, reach, best.order, lower_bytes, left)
+        if raised > lower_bytes and best.peak_bytes > raised:
+            # A probe at the new bound either meets it or, exhausted, proves the next one up.
+            again = minimise_peak(
+                graph,
+                raised,
+                hoist_free_sources(graph, best.order),
+                _deadline(SEARCH_AGAIN_SHARE, start, problem),
+                parts=parts,
+            )
+            raised = max(raised, again.proven_lower_bytes)
+            say(f"search over ideals at the raised bound {raised:,} B: peak {again.peak_bytes:,} B")
+            if again.order is not None and again.peak_bytes < best.peak_bytes:
+                best = Candidate("ideal-search", again.order, again.peak_bytes)
+                candidates = [best, *candidates]
+        lower_bytes = max(lower_bytes, raised)
     return candidates, min(lower_bytes, best.peak_bytes)
+
+
+def _deadline(share: float, start: float, problem: ScheduleProblem) -> float:
+    """``share`` of the time left of ``problem``'s limit, from now."""
+    now = time.perf_counter()
+    return now + share * max(0.0, start + problem.time_limit_seconds - now)
+
+
+def _raise_bound(graph: Graph, reach: Reachability, order: Sequence[int], lower_bytes: int, left: float) -> int:
+    """The cut bound on ``order`` (:func:`memplan.schedule.bounds.cut_lower_bound`), then the
+    ordering bound over the :data:`memplan.schedule.bounds.ORDERING_OPS` ops with the highest
+    floors (:func:`memplan.schedule.bounds.ordering_bound`), each within its share of ``left``."""
+    t0 = time.perf_counter()
+    cut = cut_lower_bound(graph, order, lower_bytes, t0 + CUT_SHARE * left, reach)
+    bound = max(lower_bytes, cut.bound_bytes)
+    if len(cut.floors) < 2 or bound >= peak_bytes(graph, order):
+        return bound
+    top = [v for v, _ in sorted(cut.floors, key=lambda f: -f[1])[:ORDERING_OPS]]
+    ordered = ordering_bound(graph, top, t0 + (CUT_SHARE + ORDERING_SHARE) * left, reach)
+    return bound if ordered is None else max(bound, ordered)
 
 
 def _is_topological(graph: Graph, order: Sequence[int]) -> bool:
