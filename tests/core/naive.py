@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import bisect
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 
 from memplan.graph.ir import Category, Graph
+from memplan.remat.baselines import Carry, forward_nodes, reads_bytes
+from memplan.remat.coarsen import SolverGraph
+from memplan.remat.lower import InvalidPlan
 
 
 def naive_resident_sets(graph: Graph, order: Sequence[int]) -> list[set[int]]:
@@ -82,3 +87,70 @@ def naive_min_arena(sizes: Sequence[int], lives: Sequence[tuple[int, int]], fixe
     while not naive_fits(sizes, lives, capacity, fixed):
         capacity += 1
     return capacity
+
+
+def rows_for_policy_naive(
+    sg: SolverGraph,
+    carry: Carry,
+    required: Callable[[int], set[int]] | None = None,
+    on_stage: Callable[[int, list[int]], None] | None = None,
+    droppable: AbstractSet[int] | None = None,
+) -> list[list[int]]:
+    """:func:`memplan.remat.baselines.rows_for_policy` as first written: the resident set
+    rebuilt from every node at every stage (O(n^2)). ``droppable`` is ignored."""
+    pinned = {i for i in range(sg.size) if any(j >= sg.limit[i] for j in sg.users[i] if reads_bytes(sg, i, j))}
+    available: set[int] = set()
+    result = []
+    for t in range(sg.size):
+        row = {t}
+        wanted = [t, *sorted(i for i in (required(t) if required else ()) if i < t and i not in available)]
+        row.update(wanted)
+        stack = list(wanted)
+        while stack:
+            j = stack.pop()
+            for p in sg.preds[j]:
+                if p in available or p in row or not reads_bytes(sg, p, j):
+                    continue
+                if not sg.may_run(t, p):
+                    raise InvalidPlan(f"stage {t} needs node {p}, which was dropped and may not be recomputed")
+                row.add(p)
+                stack.append(p)
+        ordered = sorted(row)
+        result.append(ordered)
+        if on_stage:
+            on_stage(t, ordered)
+        nxt = t + 1
+        available = {i for i in available | row if i in pinned or not sg.may_run(nxt, i) or carry(t, i)}
+    return result
+
+
+def naive_chen_rows(sg: SolverGraph, checkpoints: set[int]) -> list[list[int]]:
+    """``memplan.remat.baselines._chen_rows`` as first written (segments opened by index)."""
+    fwd = [k for k in forward_nodes(sg) if sg.recomputable(k)]
+    marks = sorted(checkpoints)
+    segment = {k: bisect.bisect_left(marks, k) for k in fwd}
+    opened: set[int] = set()
+    dropped = set(fwd) - checkpoints
+
+    def carry(t: int, i: int) -> bool:
+        return i not in dropped or t + 1 < sg.num_forward or segment[i] in opened
+
+    def on_stage(t: int, row: list[int]) -> None:
+        if t >= sg.num_forward:
+            opened.update(segment[i] for i in row if i in dropped and i < t)
+
+    return rows_for_policy_naive(sg, carry, on_stage=on_stage)
+
+
+def naive_drop_rows(sg: SolverGraph, dropped: set[int]) -> list[list[int]]:
+    """``memplan.remat.baselines._drop_rows`` as first written."""
+    opened: set[int] = set()
+
+    def carry(t: int, i: int) -> bool:
+        return i not in dropped or t + 1 < sg.num_forward or i in opened
+
+    def on_stage(t: int, row: list[int]) -> None:
+        if t >= sg.num_forward:
+            opened.update(i for i in row if i in dropped and i < t)
+
+    return rows_for_policy_naive(sg, carry, on_stage=on_stage)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Set
 
 from memplan.errors import InfeasibleBudget
 from memplan.remat.coarsen import SolverGraph, coarsen
@@ -48,24 +48,34 @@ def rows_for_policy(
     carry: Carry,
     required: Callable[[int], set[int]] | None = None,
     on_stage: Callable[[int, list[int]], None] | None = None,
+    droppable: Set[int] | None = None,
 ) -> list[list[int]]:
     """The least ``R`` for a keep policy: per stage, compute what is needed and not resident.
 
     ``required(t)``: nodes that must be resident at the start of stage ``t + 1`` (computed in
     stage ``t`` if missing). Values that can never be recomputed again are always kept.
+    ``droppable``: a promise that ``carry(t, i)`` is true unless ``i`` is in it and ``t + 1 >=
+    sg.num_forward`` (every policy here drops only chosen forward values, after the forward
+    pass); the policy may remove nodes from it (in ``on_stage``), never add them back. None
+    promises nothing.
+
+    The resident set is updated from what changed: a value that is pinned, outside
+    ``droppable`` or past its re-run window stays resident for good, so only the others are
+    asked ``carry`` again, and only from the stage where the promise allows a drop. The
+    result equals the naive rebuild of every stage (``tests/core/naive.py``; a test checks it).
     """
-    pinned = {i for i in range(sg.size) if any(j >= sg.limit[i] for j in sg.users[i] if reads_bytes(sg, i, j))}
+    limit, pinned, byte_preds = sg.limit, sg.pinned, sg.byte_preds
+    drops_from = 0 if droppable is None else sg.num_forward - 1
     available: set[int] = set()
+    volatile: set[int] = set()  # resident, and carry may still drop it
     result = []
     for t in range(sg.size):
-        row = {t}
         wanted = [t, *sorted(i for i in (required(t) if required else ()) if i < t and i not in available)]
-        row.update(wanted)
+        row = set(wanted)
         stack = list(wanted)
         while stack:
-            j = stack.pop()
-            for p in sg.preds[j]:
-                if p in available or p in row or not reads_bytes(sg, p, j):
+            for p in byte_preds[stack.pop()]:
+                if p in available or p in row:
                     continue
                 if not sg.may_run(t, p):
                     raise InvalidPlan(f"stage {t} needs node {p}, which was dropped and may not be recomputed")
@@ -76,7 +86,17 @@ def rows_for_policy(
         if on_stage:
             on_stage(t, ordered)
         nxt = t + 1
-        available = {i for i in available | row if i in pinned or not sg.may_run(nxt, i) or carry(t, i)}
+        for i in ordered:
+            if i not in available:
+                available.add(i)
+                if i not in pinned and (droppable is None or i in droppable):
+                    volatile.add(i)
+        if t >= drops_from:
+            for i in [i for i in volatile if nxt >= limit[i] or (droppable is not None and i not in droppable)]:
+                volatile.discard(i)  # resident for good
+            for i in [i for i in volatile if not carry(t, i)]:
+                volatile.discard(i)
+                available.discard(i)
     return result
 
 
@@ -152,33 +172,38 @@ def _chen_rows(sg: SolverGraph, checkpoints: set[int]) -> list[list[int]]:
     recompute each segment once when the backward pass first needs it."""
     fwd = [k for k in forward_nodes(sg) if sg.recomputable(k)]
     marks = sorted(checkpoints)
-    segment = {k: bisect.bisect_left(marks, k) for k in fwd}
-    opened: set[int] = set()
     dropped = set(fwd) - checkpoints
+    members: dict[int, list[int]] = {}
+    for k in sorted(dropped):
+        members.setdefault(bisect.bisect_left(marks, k), []).append(k)
+    segment = {k: s for s, ks in members.items() for k in ks}
+    closed = set(dropped)  # dropped, and its segment not recomputed yet
 
     def carry(t: int, i: int) -> bool:
-        return i not in dropped or t + 1 < sg.num_forward or segment[i] in opened
+        return i not in closed or t + 1 < sg.num_forward
 
     def on_stage(t: int, row: list[int]) -> None:
         if t >= sg.num_forward:
-            opened.update(segment[i] for i in row if i in dropped and i < t)
+            for i in row:
+                if i in closed and i < t:
+                    closed.difference_update(members[segment[i]])
 
-    return rows_for_policy(sg, carry, on_stage=on_stage)
+    return rows_for_policy(sg, carry, on_stage=on_stage, droppable=closed)
 
 
 def _drop_rows(sg: SolverGraph, dropped: set[int]) -> list[list[int]]:
     """R for Chen 4.2 (mirror count 1 on ``dropped``): drop them after the forward pass,
     recompute each when the backward pass first needs it, keep it from then on."""
-    opened: set[int] = set()
+    closed = set(dropped)  # dropped, and not recomputed yet
 
     def carry(t: int, i: int) -> bool:
-        return i not in dropped or t + 1 < sg.num_forward or i in opened
+        return i not in closed or t + 1 < sg.num_forward
 
     def on_stage(t: int, row: list[int]) -> None:
         if t >= sg.num_forward:
-            opened.update(i for i in row if i in dropped and i < t)
+            closed.difference_update(i for i in row if i < t)
 
-    return rows_for_policy(sg, carry, on_stage=on_stage)
+    return rows_for_policy(sg, carry, on_stage=on_stage, droppable=closed)
 
 
 def cheapest_first(sg: SolverGraph, candidates: list[int]) -> list[int]:
@@ -392,7 +417,7 @@ def _revolve_rows(sg: SolverGraph, slots: int) -> list[list[int]]:
     def required(t: int) -> set[int]:
         return set(upcoming[t + 1]) if t + 1 >= sg.num_forward else set()
 
-    return rows_for_policy(sg, carry, required)
+    return rows_for_policy(sg, carry, required, droppable=kept)
 
 
 def _attempt(make: Callable[[], list[list[int]]]) -> list[list[int]] | None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from functools import cached_property
 
 from memplan.graph.ir import Category, Graph
 from memplan.remat.problem import RematProblem, forward_end, rerun_limits
@@ -83,6 +84,25 @@ class SolverGraph:
     def may_run(self, t: int, k: int) -> bool:
         """Checkmate's R[t, k] may be 1: first run in stage k, re-runs within the window."""
         return t == k or (k < t < self.limit[k])
+
+    @cached_property
+    def byte_preds(self) -> tuple[tuple[int, ...], ...]:
+        """``byte_preds[j]``: the predecessors ``p`` of ``j`` whose memory ``j`` reads (a part of
+        ``p``'s outputs with bytes has ``j`` among its readers; see
+        :func:`memplan.remat.baselines.reads_bytes`), in ``preds`` order."""
+        reading: list[set[int]] = [set() for _ in range(self.size)]
+        for p, parts in enumerate(self.parts):
+            for b, readers in parts:
+                if b > 0:
+                    for j in readers:
+                        reading[j].add(p)
+        return tuple(tuple(p for p in self.preds[j] if p in reading[j]) for j in range(self.size))
+
+    @cached_property
+    def pinned(self) -> frozenset[int]:
+        """Nodes some user reads (bytes) at or after the end of their re-run window: always kept."""
+        late = {p for j in range(self.size) for p in self.byte_preds[j] if j >= self.limit[p]}
+        return frozenset(late)
 
 
 def coarsen(problem: RematProblem, max_nodes: int | None = None) -> SolverGraph:

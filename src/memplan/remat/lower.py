@@ -28,6 +28,7 @@ from memplan.remat.problem import (
     RematProblem,
     RematSchedule,
     Step,
+    per_graph,
     recompute_skips_mutation,
     rerun_limits,
     run_cost,
@@ -47,7 +48,7 @@ def rows(matrix: Sequence[Sequence[int]] | Decisions) -> list[list[int]]:
     out = []
     for row in matrix:
         row = list(row)
-        if row and all(x in (0, 1, True, False) for x in row) and len(row) == len(matrix):
+        if row and len(row) == len(matrix) and all(x in (0, 1, True, False) for x in row):
             out.append([i for i, x in enumerate(row) if x])
         else:
             out.append(sorted(int(i) for i in row))
@@ -96,8 +97,8 @@ def _instances_read(graph: Graph, runs: list[int]) -> list[bool]:
             used[current[t]] = True
         for t in graph.ops[v].outputs:
             current[t] = pos
-    for t, tensor in enumerate(graph.tensors):
-        if (tensor.category is Category.OUTPUT or tensor.persistent) and t in current:
+    for t in _facts(graph).live_at_end:
+        if t in current:
             used[current[t]] = True
     return used
 
@@ -132,6 +133,31 @@ def _drop_inplace_reruns(graph: Graph, runs: list[int]) -> list[int]:
     return out
 
 
+class _Facts:
+    """What the lowering asks of a graph again and again, computed once per graph."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.view = tuple(_is_view(graph, v) for v in range(len(graph.ops)))
+        self.sources = tuple(_sources(graph, v) for v in range(len(graph.ops)))
+        self.fresh_outputs = tuple(
+            tuple((t, graph.tensors[t].size_bytes) for t in op.outputs if not graph.tensors[t].persistent)
+            for op in graph.ops
+        )
+        self.persistent = tuple(t.persistent for t in graph.tensors)
+        self.outputs_of_step = tuple(t for t, x in enumerate(graph.tensors) if x.category is Category.OUTPUT)
+        self.live_at_end = tuple(
+            t for t, x in enumerate(graph.tensors) if x.category is Category.OUTPUT or x.persistent
+        )
+
+
+_FACTS_CACHE: dict[int, tuple[Graph, _Facts]] = {}
+
+
+def _facts(graph: Graph) -> _Facts:
+    """Cached :class:`_Facts` (by graph identity, as :func:`rerun_limits`)."""
+    return per_graph(_FACTS_CACHE, graph, _Facts)
+
+
 def _is_view(graph: Graph, v: int) -> bool:
     op = graph.ops[v]
     return bool(op.outputs) and all(graph.tensors[t].size_bytes == 0 for t in op.outputs)
@@ -149,20 +175,22 @@ def _sources(graph: Graph, v: int) -> tuple[int, ...]:
 def _refresh_views(graph: Graph, runs: list[int]) -> list[int]:
     """Re-run a 0-byte view before a read if an input it was made from has been re-created."""
     limits = rerun_limits(graph)
+    view, sources = _facts(graph).view, _facts(graph).sources
     serial: dict[int, int] = {}
     made_from: dict[int, tuple[int, ...]] = {}
     ran: set[int] = set()
     out: list[int] = []
 
     def inputs_now(v: int) -> tuple[int, ...]:
-        return tuple(serial.get(t, -1) for t in _sources(graph, v))
+        return tuple(serial.get(t, -1) for t in sources[v])
 
     def emit(v: int) -> None:
         out.append(v)
         ran.add(v)
+        is_view = view[v]
         for t in graph.ops[v].outputs:
             serial[t] = len(out)
-            if _is_view(graph, v):
+            if is_view:
                 made_from[t] = inputs_now(v)
 
     def refresh(t: int) -> None:
@@ -177,7 +205,8 @@ def _refresh_views(graph: Graph, runs: list[int]) -> list[int]:
 
     for v in runs:
         for t in graph.ops[v].inputs:
-            refresh(t)
+            if t in made_from:
+                refresh(t)
         emit(v)
     return out
 
@@ -192,23 +221,30 @@ def insert_frees(graph: Graph, runs: Sequence[int]) -> list[Step]:
     last_read: list[int] = []
     tensor_of: list[int] = []
     current: dict[int, int] = {}
+    ops = graph.ops
     for pos, v in enumerate(runs):
-        for t in graph.ops[v].inputs:
-            if t in current:
-                last_read[current[t]] = pos
-        for t in graph.ops[v].outputs:
+        op = ops[v]
+        for t in op.inputs:
+            inst = current.get(t)
+            if inst is not None:
+                last_read[inst] = pos
+        for t in op.outputs:
             current[t] = len(tensor_of)
             tensor_of.append(t)
             last_read.append(pos)
-    kept = {current[t] for t, tensor in enumerate(graph.tensors) if tensor.category is Category.OUTPUT and t in current}
+    facts = _facts(graph)
+    kept = {current[t] for t in facts.outputs_of_step if t in current}
+    persistent = facts.persistent
     frees_at: dict[int, list[int]] = {}
     for inst, t in enumerate(tensor_of):
-        if inst not in kept and not graph.tensors[t].persistent:
+        if inst not in kept and not persistent[t]:
             frees_at.setdefault(last_read[inst], []).append(t)
     steps: list[Step] = []
     for pos, v in enumerate(runs):
         steps.append(("run", int(v)))
-        steps.extend(("free", int(t)) for t in sorted(frees_at.get(pos, ())))
+        frees = frees_at.get(pos)
+        if frees:
+            steps.extend(("free", int(t)) for t in sorted(frees))
     return steps
 
 
@@ -226,14 +262,14 @@ def sequence_peak_bytes(graph: Graph, steps: Sequence[Step], workspace: Sequence
     :func:`steps_for_order`, without workspace, it equals ``liveness.peak_bytes``.
     """
     resident = peak = graph.persistent_bytes
+    fresh_outputs = _facts(graph).fresh_outputs
     live: set[int] = set()
     for kind, i in steps:
         if kind == "run":
-            for t in graph.ops[i].outputs:
-                tensor = graph.tensors[t]
-                if not tensor.persistent and t not in live:
+            for t, size in fresh_outputs[i]:
+                if t not in live:
                     live.add(t)
-                    resident += tensor.size_bytes
+                    resident += size
             peak = max(peak, resident + (workspace[i] if workspace else 0))
         elif i in live:
             live.discard(i)

@@ -26,8 +26,9 @@ only that a recompute yield the same value):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 from memplan.graph.ir import Category, Graph
 
@@ -94,19 +95,27 @@ def inplace_follower(graph: Graph, m: int, mutated_by: dict[int, list[int]] | No
     return all(c == m or handles & set(graph.ops[c].inputs) for c in graph.consumers[t])
 
 
+T = TypeVar("T")
+
+
+def per_graph(cache: dict[int, tuple[Graph, T]], graph: Graph, make: Callable[[Graph], T]) -> T:
+    """``make(graph)``, cached in ``cache`` by graph identity (at most 17 graphs kept)."""
+    hit = cache.get(id(graph))
+    if hit is not None and hit[0] is graph:
+        return hit[1]
+    if len(cache) > 16:
+        cache.clear()
+    value = make(graph)
+    cache[id(graph)] = (graph, value)
+    return value
+
+
 _LIMITS_CACHE: dict[int, tuple[Graph, list[int]]] = {}
 
 
 def rerun_limits(graph: Graph) -> list[int]:
     """Cached :func:`compute_rerun_limits` (by graph identity)."""
-    hit = _LIMITS_CACHE.get(id(graph))
-    if hit is not None and hit[0] is graph:
-        return hit[1]
-    if len(_LIMITS_CACHE) > 16:
-        _LIMITS_CACHE.clear()
-    limits = compute_rerun_limits(graph)
-    _LIMITS_CACHE[id(graph)] = (graph, limits)
-    return limits
+    return per_graph(_LIMITS_CACHE, graph, compute_rerun_limits)
 
 
 def compute_rerun_limits(graph: Graph) -> list[int]:
