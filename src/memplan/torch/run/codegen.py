@@ -7,8 +7,9 @@ arena view, stores and pops names. Here the same instructions are written out on
 source, each op a direct call of its ATen kernel with its arguments as local variables, its
 arena views sliced once and bound as constants, its out= / in-place writes spelled out, every
 free a ``del`` at the planned position, and every optimizer update, hook and rarely used path
-a call of the runner's own method. Python then runs the step at the cost of eager's dispatch:
-one call per op, no interpreter around it. The interpreter stays the reference; generated and
+a call of the runner's own method (updates with no op between them as one call: see
+:func:`_merged_updates`). Python then runs the step at the cost of eager's dispatch: one call
+per op, no interpreter around it. The interpreter stays the reference; generated and
 interpreted steps run the same kernels in the same order on the same storages, so they give
 the same bits (tested in tests/torch/test_codegen.py).
 """
