@@ -26,6 +26,10 @@ from torch.utils import _pytree as pytree
 import torch
 
 _INLINE_LITERALS = (bool, int, str, type(None))
+# consecutive updates run as one optimizer.step() while the gradients that this holds beyond
+# their own update total at most this (see _merged_updates): batch-norm and depthwise layers'
+# gradients merge, a large layer's does not, so the step's peak stays the plan's
+MERGE_HELD_BYTES = 256 * 1024
 
 
 @dataclass
@@ -144,15 +148,29 @@ def _merged_updates(runner: Any, instructions: list[Any]) -> list[list[Any]]:
     (profiler range, hooks, argument checks; about 50 us on a CPU) once per parameter, ~10% of
     EfficientNet-B0's step at batch 1. Updates with no op between them run as one call over
     their parameters: the optimizer updates parameters independently (run/updates.py), so the
-    bits are those of separate calls; their gradients are freed after the call instead of one
-    by one."""
+    bits are those of separate calls. Their gradients are freed after the call instead of one
+    by one, so a run only grows while the gradients it holds longer than separate calls would
+    (all but its last update's) total at most :data:`MERGE_HELD_BYTES`: a large layer's
+    gradient is still freed before the next update's temporaries are made."""
     runs: list[list[Any]] = []
+    run_bytes = 0  # the gradient bytes of the last run: held to its end if an update joins it
     for ins in instructions:
-        if runs and _mergeable(runner, runs[-1][-1], ins):
+        if runs and run_bytes <= MERGE_HELD_BYTES and _mergeable(runner, runs[-1][-1], ins):
             runs[-1].append(ins)
+            run_bytes += _grad_bytes(ins)
         else:
             runs.append([ins])
+            run_bytes = _grad_bytes(ins)
     return runs
+
+
+def _grad_bytes(ins: Any) -> int:
+    from memplan.torch.run.interpreter import _Update
+
+    if not isinstance(ins, _Update):
+        return 0
+    values = [n.meta.get("val") for n in ins.grad_nodes]
+    return sum(v.untyped_storage().nbytes() for v in values if isinstance(v, torch.Tensor))
 
 
 def _mergeable(runner: Any, first: Any, then: Any) -> bool:
