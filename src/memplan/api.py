@@ -439,10 +439,22 @@ def mode_key(model: torch.nn.Module) -> tuple:
     """What the traced step fixed about the model that a training loop changes between steps:
     each module's ``training`` flag (``model.eval()``) and each parameter's ``requires_grad``
     (freezing, unfreezing). Another mode gets another plan, never a stale one."""
-    return (
-        tuple(m.training for m in model.modules()),
-        tuple(p.requires_grad for p in model.parameters()),
-    )
+    training: list[bool] = []
+    requires_grad: list[bool] = []
+    seen: set[int] = set()
+    stack = [model]
+    while stack:  # model.modules() and .parameters() walk the tree twice, building every name
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        training.append(module.training)
+        for p in module._parameters.values():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                requires_grad.append(p.requires_grad)
+        stack.extend(reversed([m for m in module._modules.values() if m is not None]))
+    return tuple(training), tuple(requires_grad)
 
 
 def _leaf_key(value: Any) -> Any:

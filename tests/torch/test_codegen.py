@@ -150,3 +150,23 @@ def test_an_unknown_executor_is_refused():
     )
     with pytest.raises(MemplanError, match="executor must be one of"):
         step(MLP.batch(0))
+
+
+def _update_calls(runner: StepRunner) -> int:
+    return sum("runner._update_with(" in line for line in runner.generated_step().source.splitlines())
+
+
+@pytest.mark.parametrize("allocator", ALLOCATORS)
+def test_consecutive_updates_run_as_one_optimizer_step(allocator):
+    """Updates with no op between them are one ``optimizer.step()`` in the generated step (the
+    planned allocator serves its addresses; with arena views each update follows its own traced
+    ops): the same bits as the interpreter's call per update, over two param groups with
+    different hyper-parameters."""
+    generated, interpreted = _both_executors(CNN, "several param groups", allocator, steps=4)
+    runner = _runner(generated)
+    updates = sum(type(ins).__name__ == "_Update" for ins in runner.instructions)
+    assert updates == sum(type(ins).__name__ == "_Update" for ins in _runner(interpreted).instructions)
+    if allocator == "replay":
+        assert _update_calls(runner) < updates  # the batch-norm's weight and bias are ready at one op
+    else:
+        assert _update_calls(runner) == updates

@@ -181,3 +181,29 @@ def test_allocator_peak_counts_from_the_level_at_the_start():
     peaks = [allocator_peak_bytes(lambda: kept.append(torch.ones(2**20, dtype=torch.uint8)))[1] for _ in range(3)]
     assert peaks == [2**20] * 3
     assert allocator_peak_bytes(kept.clear)[1] == 0
+
+
+def _seen_by_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[tuple[float, list[int]]]:
+    from memplan.torch.capture.regions import only_params
+
+    by_id = {id(p): k for k, p in enumerate(_ALL)}
+    with only_params(optimizer, params):
+        return [(g["lr"], [by_id[id(p)] for p in g["params"]]) for g in optimizer.param_groups]
+
+
+_ALL = [torch.nn.Parameter(torch.zeros(k + 1)) for k in range(6)]
+
+
+def test_only_params_sees_the_groups_as_they_are_now():
+    """``only_params`` (one early update's ``optimizer.step()``): the given parameters in their
+    groups' order with their groups' hyper-parameters, every group restored afterwards; its
+    index of positions follows the groups when the user edits them between steps."""
+    optimizer = torch.optim.SGD([{"params": _ALL[:3]}, {"params": _ALL[3:4], "lr": 0.5}], lr=0.1)
+    groups = [dict(g) for g in optimizer.param_groups]
+    assert _seen_by_step(optimizer, [_ALL[3], _ALL[2], _ALL[0], _ALL[2]]) == [(0.1, [0, 2]), (0.5, [3])]
+    assert [dict(g) for g in optimizer.param_groups] == groups  # restored, lists and all
+    assert _seen_by_step(optimizer, [_ALL[5]]) == []  # held by no group: left out
+    optimizer.param_groups[0]["params"] = [_ALL[2], _ALL[1]]  # edited: positions moved, one gone
+    optimizer.add_param_group({"params": [_ALL[0], _ALL[5]], "lr": 0.25})
+    assert _seen_by_step(optimizer, [_ALL[5], _ALL[1], _ALL[0], _ALL[2]]) == [(0.1, [2, 1]), (0.25, [0, 5])]
+    assert _seen_by_step(optimizer, [_ALL[4]]) == []

@@ -156,3 +156,27 @@ def test_rss_helpers_read_sane_values():
     assert rss_bytes() < before + 32 * 2**20  # the block went back to the OS
     reset_peak_rss()
     assert peak_rss_bytes() < before + 32 * 2**20  # the high-water mark was reset
+
+
+def test_mode_key_is_every_modules_flag_and_every_parameters_requires_grad():
+    """A plan is kept per mode (``mode_key``): the key follows each module's ``training`` and each
+    parameter's ``requires_grad``, shared modules and tied parameters counted once, as
+    ``model.modules()`` / ``model.parameters()`` give them."""
+    from memplan.api import mode_key
+
+    shared = torch.nn.Linear(4, 4)
+    model = torch.nn.Sequential(shared, torch.nn.Sequential(torch.nn.Dropout(), shared), torch.nn.Linear(4, 4))
+    model[2].weight = shared.weight  # tied
+
+    def expected() -> tuple:
+        return tuple(m.training for m in model.modules()), tuple(p.requires_grad for p in model.parameters())
+
+    keys = {mode_key(model)}
+    assert mode_key(model) == expected()
+    model[1][0].eval()
+    assert mode_key(model) == expected()
+    keys.add(mode_key(model))
+    model[2].bias.requires_grad_(False)
+    assert mode_key(model) == expected()
+    keys.add(mode_key(model))
+    assert len(keys) == 3

@@ -18,6 +18,7 @@ backward.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,19 +141,52 @@ class RegionRecorder:
 @contextlib.contextmanager
 def only_params(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]):
     """Let ``optimizer.step()`` see only ``params``, each in its own param group with that
-    group's hyper-parameters (the group dicts are the user's, restored afterwards)."""
-    wanted = {id(p) for p in params}
+    group's hyper-parameters, in the group's order (the group dicts are the user's, restored
+    afterwards); a parameter no group holds is left out."""
     saved_groups = optimizer.param_groups
-    saved_params = [group["params"] for group in saved_groups]
+    chosen: dict[int, list[torch.Tensor]] = {}
+    found = {(i, j): p for i, j, p in _positions(optimizer, params)}  # a parameter given twice counts once
+    for (i, _), p in sorted(found.items(), key=lambda item: item[0]):
+        chosen.setdefault(i, []).append(p)
+    saved_params = [(saved_groups[i], saved_groups[i]["params"]) for i in chosen]
     try:
-        for group in saved_groups:
-            group["params"] = [p for p in group["params"] if id(p) in wanted]
-        optimizer.param_groups = [group for group in saved_groups if group["params"]]
+        for i, group_params in chosen.items():
+            saved_groups[i]["params"] = group_params
+        optimizer.param_groups = [saved_groups[i] for i in chosen]
         yield
     finally:
-        for group, group_params in zip(saved_groups, saved_params, strict=True):
+        for group, group_params in saved_params:
             group["params"] = group_params
         optimizer.param_groups = saved_groups
+
+
+# optimizer -> id(param) -> (group, position): where only_params finds a parameter without
+# scanning every group (the runtime calls it once per early update, hundreds of times a step)
+_PARAM_POSITIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _positions(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> list[tuple[int, int, Any]]:
+    """``(group, position, param)`` of each of ``params`` that a param group holds. Every
+    position is checked against the groups as they are now; the index is built again when one
+    is stale or missing (groups edited since), so the answer is always the groups' own."""
+    groups = optimizer.param_groups
+    index = _PARAM_POSITIONS.get(optimizer)
+    if index is not None:
+        found = [_checked(groups, index, p) for p in params]
+        if None not in found:
+            return found  # type: ignore[return-value]
+    index = {id(p): (i, j) for i, g in enumerate(groups) for j, p in enumerate(g["params"])}
+    _PARAM_POSITIONS[optimizer] = index
+    return [at for at in (_checked(groups, index, p) for p in params) if at is not None]
+
+
+def _checked(groups: list[dict], index: dict[int, tuple[int, int]], p: torch.Tensor) -> tuple[int, int, Any] | None:
+    """``p``'s place per ``index`` if the groups still hold it there."""
+    at = index.get(id(p))
+    if at is None or at[0] >= len(groups):
+        return None
+    group_params = groups[at[0]]["params"]
+    return (*at, p) if at[1] < len(group_params) and group_params[at[1]] is p else None
 
 
 def _per_parameter_steps(optimizer: torch.optim.Optimizer, step: Callable, args: tuple, kwargs: dict) -> bool:

@@ -27,7 +27,7 @@ import subprocess
 import sysconfig
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 
 import torch
@@ -221,6 +221,25 @@ class BranchedPlan:
     def single(cls, plan: ReplayPlan) -> BranchedPlan:
         return cls((plan,), ((len(plan.sizes),),), plan.arena_bytes)
 
+    @cached_property
+    def native_arrays(self) -> tuple[ctypes.Array | None, ...]:
+        """The arrays ``mp_begin_replay`` takes after the arena and the number of branches,
+        built once per plan: the lists of a step's thousands of allocations cost about a
+        millisecond to build, every replayed step."""
+        branches = self.branches
+        with_streams = any(b.streams for b in branches)
+        streams = [s for b in branches for s in (b.streams or (0,) * len(b.sizes))] if with_streams else None
+        return (
+            _array([len(b.sizes) for b in branches]),
+            _array([v for b in branches for v in b.sizes]),
+            _array(streams) if streams is not None else None,
+            _array([v for b in branches for v in b.offsets]),
+            _array([v for b in branches for v in b.need]),
+            _array([len(b.free_order) for b in branches]),
+            _array([v for b in branches for v in b.free_order]),
+            _array([v for row in self.shared for v in row]),
+        )
+
 
 def replay_plan(trace: AllocationTrace, offsets: dict[int, int], arena_bytes: int) -> ReplayPlan:
     """The arrays the allocator replays; ``offsets`` maps allocation index -> arena offset."""
@@ -302,22 +321,7 @@ class NativeReplay:
             raise MemplanError(f"the arena holds {arena_bytes} bytes, the plan needs {plan.arena_bytes}")
         if arena_address % ARENA_BASE_ALIGNMENT_BYTES:
             raise MemplanError(f"the arena at {arena_address:#x} is not aligned to {ARENA_BASE_ALIGNMENT_BYTES} bytes")
-        branches = plan.branches
-        with_streams = any(b.streams for b in branches)
-        streams = [s for b in branches for s in (b.streams or (0,) * len(b.sizes))] if with_streams else None
-        ok = self.lib.mp_begin_replay(
-            arena_address,
-            arena_bytes,
-            len(branches),
-            _array([len(b.sizes) for b in branches]),
-            _array([v for b in branches for v in b.sizes]),
-            _array(streams) if streams is not None else None,
-            _array([v for b in branches for v in b.offsets]),
-            _array([v for b in branches for v in b.need]),
-            _array([len(b.free_order) for b in branches]),
-            _array([v for b in branches for v in b.free_order]),
-            _array([v for row in plan.shared for v in row]),
-        )
+        ok = self.lib.mp_begin_replay(arena_address, arena_bytes, len(plan.branches), *plan.native_arrays)
         if not ok:
             raise MemplanError("arena allocations of an earlier step are still alive; replay refused")
 
