@@ -9,12 +9,24 @@ import random
 import time
 from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memplan.placement import Placement, PlacementProblem, solve_exact, validate_placement
+from memplan.placement import Placement, PlacementProblem, holefill, solve_exact, validate_placement
 from memplan.placement.generate import perfect_instance
-from memplan.placement.holefill import ORDERS, HoleFillOptions, applies, fill_at_bound, fill_holes, tight_share
+from memplan.placement.holefill import (
+    ORDERS,
+    FillingAtBound,
+    HoleFill,
+    HoleFilling,
+    HoleFillOptions,
+    applies,
+    fill_at_bound,
+    fill_holes,
+    tight_share,
+)
+from memplan.placement.search import problem_units
 from tests.core.naive import naive_fits
 
 FLAGS = HoleFillOptions.flag_names()
@@ -53,6 +65,19 @@ def small_perfect(seed: int) -> tuple[list[int], list[tuple[int, int]]]:
     )
     assert inst.problem.lifetimes is not None
     return list(inst.problem.sizes_bytes), list(inst.problem.lifetimes)
+
+
+def mergeable_pairs(sizes: list[int], lives: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Pairs of buffers of one size, the first ending where the second starts."""
+    n = len(sizes)
+    return [(a, b) for a in range(n) for b in range(n) if sizes[a] == sizes[b] and lives[a][1] == lives[b][0]]
+
+
+def merged(sizes: list[int], lives: list[tuple[int, int]], a: int, b: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """Buffer ``b`` merged into ``a`` (one buffer living through both lifetimes)."""
+    merged_sizes = [s for i, s in enumerate(sizes) if i != b]
+    merged_lives = [(lives[a][0], lives[b][1]) if i == a else life for i, life in enumerate(lives) if i != b]
+    return merged_sizes, merged_lives
 
 
 @settings(max_examples=40, deadline=None)
@@ -113,15 +138,8 @@ def test_without_slack_it_agrees_with_the_naive_oracle() -> None:
     checked = {True: 0, False: 0}
     for seed in range(30):
         sizes, lives = small_perfect(seed)
-        pairs = [
-            (a, b)
-            for a in range(len(sizes))
-            for b in range(len(sizes))
-            if sizes[a] == sizes[b] and lives[a][1] == lives[b][0]
-        ]
-        for a, b in pairs[:2]:
-            merged_sizes = [s for i, s in enumerate(sizes) if i != b]
-            merged_lives = [(lives[a][0], lives[b][1]) if i == a else life for i, life in enumerate(lives) if i != b]
+        for a, b in mergeable_pairs(sizes, lives)[:2]:
+            merged_sizes, merged_lives = merged(sizes, lives, a, b)
             capacity = load_bound(merged_sizes, merged_lives)
             assert tight_share_of(merged_sizes, merged_lives) == 1.0
             expected = naive_fits(merged_sizes, merged_lives, capacity)
@@ -162,3 +180,63 @@ def test_the_stop_callback_ends_the_search_unfound() -> None:
     t0 = time.perf_counter()
     assert fill_at_bound(inst.problem, t0 + 30.0, stop=lambda: time.perf_counter() > t0 + 0.3) is None
     assert time.perf_counter() - t0 < 5.0
+
+
+def run_in_slices(search: HoleFilling, pauses: list[int]) -> HoleFill:
+    """Run ``search`` to its end, one :meth:`HoleFilling.run` per pause."""
+    while (outcome := search.run(far())) is None:
+        pauses[0] += 1
+    return outcome
+
+
+def test_resuming_gives_the_answer_of_one_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Paused every other node (the clock polled at every node, ``stop()`` true every other
+    poll) and resumed, the search finds the same offsets with the same nodes as in one run,
+    and a placement exactly where the naive oracle finds one (perfect packings, some with two
+    buffers merged so that they may not fit)."""
+    monkeypatch.setattr(holefill, "CLOCK_EVERY", 1)
+    polls = itertools.count()
+    checked = {True: 0, False: 0}
+    for seed in range(8):
+        sizes, lives = small_perfect(seed)
+        merged_sizes, merged_lives = merged(sizes, lives, *mergeable_pairs(sizes, lives)[0])
+        for sz, lv in ((sizes, lives), (merged_sizes, merged_lives)):
+            capacity = load_bound(sz, lv)
+            whole = fill_holes(sz, lv, capacity, far())
+            pauses = [0]
+            sliced = run_in_slices(HoleFilling(sz, lv, capacity, stop=lambda: next(polls) % 2 == 0), pauses)
+            assert sliced == whole, (seed, sz, lv)
+            assert pauses[0] >= whole.nodes // 3
+            assert (sliced.offsets_units is not None) == naive_fits(sz, lv, capacity)
+            checked[sliced.offsets_units is not None] += 1
+    assert checked[True] >= 8, checked
+
+
+def test_resuming_by_the_clock_gives_the_answer_of_one_run() -> None:
+    """Searched in slices of a millisecond (many pauses, at clock-dependent nodes), a perfect
+    packing of 300 buffers (3602 nodes) ends with the offsets and node count of one uninterrupted run, and
+    a search cut by a node limit ends unfound with exactly that many nodes either way."""
+    coarse = perfect_instance(1, 300, height_units=256, mean_size_units=10)
+    for inst, max_nodes in ((coarse, None), (perfect_instance(0, 150, stacking="mixed"), 5000)):
+        unit, sizes, lives, _ = problem_units(inst.problem)
+        capacity = inst.problem.lower_bound_bytes // unit
+        whole = fill_holes(sizes, lives, capacity, far(), max_nodes=max_nodes)
+        search = HoleFilling(sizes, lives, capacity, max_nodes=max_nodes)
+        runs = 1
+        while search.run(time.perf_counter() + 0.001) is None:
+            runs += 1
+        assert search.outcome == whole and runs > 1
+        assert (whole.offsets_units is None) == (max_nodes is not None)
+    assert whole.nodes == 5001
+
+
+def test_filling_at_bound_resumes_after_a_pause() -> None:
+    """A search paused at once (deadline passed) has not ended, and finds the placement once
+    resumed; then it has ended."""
+    inst = perfect_instance(1, 300)
+    filling = FillingAtBound(inst.problem)
+    assert filling.run(time.perf_counter() - 1.0) is None and not filling.ended
+    placement = filling.run(time.perf_counter() + 20.0)
+    assert placement is not None and filling.ended
+    validate_placement(inst.problem, placement)
+    assert placement.arena_bytes == inst.optimal_arena_bytes

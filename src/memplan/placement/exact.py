@@ -18,7 +18,10 @@ The portfolio, in order, stopping as soon as the arena meets a proven bound: the
 capacities from the lower bound with :data:`SEARCH_SHARE` of the time and can prove that a
 capacity is infeasible; then, still on interval problems and while the lower bound is not
 refuted, :func:`memplan.placement.rolling.roll_from_peak` with :data:`ROLL_SHARE` of the time
-left (exact windows rolled outward from the peak at capacity = lower bound) and
+left (exact windows rolled outward from the peak at capacity = lower bound), interleaved with
+the hole filling along time (:mod:`memplan.placement.holefill`, on problems whose load meets
+the bound most of the time: a first slice before the windows, resumed where it stopped after
+them, :data:`HOLEFILL_SHARE` of the time in all), and
 :func:`memplan.placement.repair.reach_bound` up to :data:`REPAIR_SHARE` of it (peak-anchored
 packing and top-band repair); last, CP-SAT. Contiguous groups and general conflict relations
 (SOMAS) skip the search and the windows. Every stage is budgeted by
@@ -39,8 +42,8 @@ from ortools.sat.python import cp_model
 
 from memplan.placement import native
 from memplan.placement.heuristics import Blocks, make_blocks, portfolio, pyramid_offsets
+from memplan.placement.holefill import FillingAtBound, tight_share
 from memplan.placement.holefill import applies as holefill_applies
-from memplan.placement.holefill import fill_at_bound, tight_share
 from memplan.placement.problem import Placement, PlacementProblem, arena_bytes
 from memplan.placement.repair import applies as repair_applies
 from memplan.placement.repair import reach_bound
@@ -55,11 +58,14 @@ from memplan.solvers import SolveStatus, solve_cp_sat, stopping
 SEARCH_SHARE = 0.7
 ROLL_SHARE = 0.4
 REPAIR_SHARE = 0.7
-# Hole filling along time runs first in the stages, with this share of the time left, on
-# problems whose load equals the lower bound at least this share of the time: it is complete
-# where there is no slack, and its branching grows with the slack.
+# Hole filling along time gets this share of the time left when the stages start, on problems
+# whose load equals the lower bound at least this share of the time: it is complete where there
+# is no slack, and its branching grows with the slack. It runs first for at most
+# HOLEFILL_FIRST_SECONDS, then pauses for the rolled windows (which settle their instances in
+# seconds, or give up) and resumes where it stopped with the rest of its share.
 HOLEFILL_SHARE = 0.5
 HOLEFILL_MIN_TIGHT = 0.85
+HOLEFILL_FIRST_SECONDS = 1.0
 # A CP-SAT stage is skipped when fewer seconds than this are left: loading a model of
 # thousands of rectangles alone takes a good part of a second.
 MIN_STAGE_SECONDS = 0.25
@@ -215,8 +221,8 @@ def solve_exact(
     placement found is still returned). ``repair=False`` skips the exact windows
     (:func:`memplan.placement.rolling.roll_from_peak`, :func:`memplan.placement.repair.reach_bound`),
     ``search=False`` the canonical search (CP-SAT alone), ``hole_filling=False`` the hole
-    filling along time (:mod:`memplan.placement.holefill`) tried first on problems whose load
-    meets the bound most of the time.
+    filling along time (:mod:`memplan.placement.holefill`), tried before and after the rolled
+    windows on problems whose load meets the bound most of the time.
     """
     t0 = time.perf_counter()
     deadline = t0 + time_limit_seconds
@@ -302,40 +308,63 @@ class _Stages:
     repair: bool
     hole_filling: bool
 
-    def _fill_holes(self, bound: int, stop: threading.Event | None) -> Placement | None:
-        """Hole filling along time (:mod:`memplan.placement.holefill`) at the lower bound, with
-        :data:`HOLEFILL_SHARE` of the time left, when the load meets the bound at least
-        :data:`HOLEFILL_MIN_TIGHT` of the time."""
+    def _hole_filling(self, bound: int, stop: threading.Event | None) -> FillingAtBound | None:
+        """Hole filling along time (:mod:`memplan.placement.holefill`) at the lower bound, when
+        the load meets the bound at least :data:`HOLEFILL_MIN_TIGHT` of the time."""
         problem = self.problem
         if not (self.hole_filling and holefill_applies(problem) and bound <= problem.lower_bound_bytes):
             return None
         if tight_share(problem) < HOLEFILL_MIN_TIGHT:
             return None
-        budget = time.perf_counter() + HOLEFILL_SHARE * _left(self.deadline)
-        return fill_at_bound(problem, budget, stop=lambda: _is_set(stop))
+        return FillingAtBound(problem, stop=lambda: _is_set(stop))
+
+    def _fill_and_roll(
+        self, bound: int, repaired: bool, stop: threading.Event | None
+    ) -> tuple[Placement | None, bool, float]:
+        """Hole filling for at most :data:`HOLEFILL_FIRST_SECONDS`, the rolled windows (with
+        ``repaired``), then the hole filling resumed for the rest of its share: a placement at
+        the lower bound or ``None``, whether a peak window proved the bound unreachable, and
+        the seconds left for the repair."""
+        deadline = self.deadline
+        filling = self._hole_filling(bound, stop)
+        share = HOLEFILL_SHARE * _left(deadline) if filling is not None else 0.0
+        filled = _fill_on(filling, min(share, HOLEFILL_FIRST_SECONDS))
+        if filled is not None:
+            return filled, False, 0.0
+        # The repair's share counts the time after the whole share of the hole filling.
+        rest = max(0.0, _left(deadline) - _share_left(filling, share))
+        rolled_for, unreachable = 0.0, False
+        if repaired:
+            # The windows return once they place or give up: they get their share of all the
+            # time left, as without hole filling (under load they need it).
+            rolling = time.perf_counter()
+            rolled, unreachable = roll_from_peak(self.problem, ROLL_SHARE * _left(deadline))
+            if rolled is not None:
+                return rolled, False, 0.0
+            rolled_for = time.perf_counter() - rolling
+        if not unreachable and not _is_set(stop):  # else the lower bound is refuted, or settled
+            filled = _fill_on(filling, min(_share_left(filling, share), _left(deadline)))
+        # The repair gets at least what it would after windows cut off at their share of ``rest``.
+        return filled, unreachable, REPAIR_SHARE * rest - min(rolled_for, ROLL_SHARE * rest)
 
     def run(
         self, best: Placement, bound: int, *, workers: int | None = None, stop: threading.Event | None = None
     ) -> Placement:
-        """From ``best`` and a proven ``bound``: rolled windows and repair (while the lower bound
-        is not refuted), then CP-SAT (pyramid first). ``stop``, once set, skips what is left."""
+        """From ``best`` and a proven ``bound``: hole filling interleaved with the rolled windows
+        and repair (while the lower bound is not refuted), then CP-SAT (pyramid first).
+        ``stop``, once set, skips what is left."""
         problem, t0, deadline = self.problem, self.t0, self.deadline
         workers = workers or self.workers
-        filled = self._fill_holes(bound, stop)
-        if filled is not None:
-            return _restamp(filled, filled.method, "optimal", t0, bound)
-        blocks = make_blocks(problem)
-        unit = blocks.unit_bytes
         # The windows aim at the lower bound only: pointless once it is refuted.
         repaired = self.repair and repair_applies(problem) and bound <= problem.lower_bound_bytes
+        found, unreachable, budget = self._fill_and_roll(bound, repaired, stop)
+        if found is not None:
+            return _restamp(found, found.method, "optimal", t0, bound)
+        blocks = make_blocks(problem)
+        unit = blocks.unit_bytes
         if repaired:
-            stage_start, rest = time.perf_counter(), _left(deadline)
-            rolled, unreachable = roll_from_peak(problem, ROLL_SHARE * rest)
-            if rolled is not None:
-                return _restamp(rolled, rolled.method, "optimal", t0, bound)
-            budget = min(REPAIR_SHARE * rest - (time.perf_counter() - stage_start), _left(deadline))
             if not unreachable and not _is_set(stop):
-                best, unreachable = reach_bound(problem, best, max(0.0, budget), workers)
+                best, unreachable = reach_bound(problem, best, max(0.0, min(budget, _left(deadline))), workers)
             if best.arena_bytes <= bound:
                 return _restamp(best, best.method, "optimal", t0, bound)
             bound += unit if unreachable else 0  # a peak window proved that the bound cannot be met
@@ -362,6 +391,18 @@ class _Stages:
         if status.bound is not None:
             bound = max(bound, round(status.bound) * unit)
         return _restamp(best, method, _status(problem, best, status, bound), t0, bound)
+
+
+def _fill_on(filling: FillingAtBound | None, seconds: float) -> Placement | None:
+    """Resume ``filling`` (if any) for ``seconds``: its placement at the lower bound, or ``None``."""
+    if filling is None or filling.ended or seconds <= 0:
+        return None
+    return filling.run(time.perf_counter() + seconds)
+
+
+def _share_left(filling: FillingAtBound | None, share: float) -> float:
+    """Seconds of its ``share`` the hole filling has not used yet (none once it has ended)."""
+    return 0.0 if filling is None or filling.ended else max(0.0, share - filling.seconds)
 
 
 def _is_set(stop: threading.Event | None) -> bool:

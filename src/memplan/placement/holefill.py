@@ -28,6 +28,10 @@ taking turns with growing node limits), with these rules:
 Stacking from the bottom of a hole is complete when there is no slack (every hole is
 covered exactly) and a heuristic otherwise (empty space lies only at the top of holes).
 So this search only ever *finds* placements; it never reports that none exists.
+
+The search can pause and resume (:class:`HoleFilling`): its depth-first recursion is a chain
+of generators that yield at the clock checks, so a later :meth:`HoleFilling.run` continues
+where the last one stopped, and the placement found does not depend on how the time is sliced.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from __future__ import annotations
 import itertools
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, fields
 
 from memplan.placement.problem import Placement, PlacementProblem, arena_bytes, unit_bytes
@@ -90,7 +94,11 @@ def subset_sums(sizes: Iterable[int]) -> int:
 
 
 class _Stop(Exception):
-    """Deadline or node limit reached."""
+    """Node limit reached."""
+
+
+# A step of the search: yields when it pauses (deadline or stop), returns whether it placed.
+_Steps = Generator[None, None, bool]
 
 
 class _Sweep:
@@ -101,14 +109,13 @@ class _Sweep:
         sizes: Sequence[int],
         lives: Sequence[tuple[int, int]],
         capacity: int,
-        deadline: float,
+        pause: Callable[[], bool],
         max_nodes: int,
         order: str = "short-low",
-        stop: Callable[[], bool] = lambda: False,
         options: HoleFillOptions = HoleFillOptions(),
         failed: set[tuple[int, int, int]] | None = None,
     ) -> None:
-        self.stop, self.options = stop, options
+        self.pause, self.options = pause, options
         # No-goods: (time index, number of live buffers, 64-bit hash of their (buffer, offset)
         # pairs) that failed. They hold whatever the node limit, so a later round of the same
         # order starts with them. Two live sets sharing a key (odds about 2**-64) could only
@@ -116,7 +123,7 @@ class _Sweep:
         self.failed = set() if failed is None else failed
         self.live_load = self.live_hash = 0
         self.sizes, self.lives, self.capacity = sizes, lives, capacity
-        self.deadline, self.nodes_left, self.nodes = deadline, max_nodes, 0
+        self.nodes_left, self.nodes = max_nodes, 0
         self.offsets = [0] * len(sizes)
         placed = [b for b, s in enumerate(sizes) if s > 0]
         self.times = sorted({lives[b][0] for b in placed})
@@ -217,22 +224,24 @@ class _Sweep:
         since = self.now if a < 0 else self.ends[a]
         return bool(self.chain[since] >> self.rank[end] & 1)
 
-    def run(self) -> bool:
+    def run(self) -> _Steps:
         return self._event(0)
 
-    def _tick(self) -> None:
+    def _tick(self) -> bool:
+        """Count a node (raise :class:`_Stop` past the node limit); whether to pause now
+        (``pause()``, polled every :data:`CLOCK_EVERY` nodes)."""
         self.nodes += 1
         self.nodes_left -= 1
         if self.nodes_left < 0:
             raise _Stop
-        if self.nodes % CLOCK_EVERY == 0 and (time.perf_counter() > self.deadline or self.stop()):
-            raise _Stop
+        return self.nodes % CLOCK_EVERY == 0 and self.pause()
 
-    def _event(self, k: int) -> bool:
+    def _event(self, k: int) -> _Steps:
         """Place the buffers starting at ``times[k]`` and everything after."""
         if k == len(self.times):
             return True
-        self._tick()
+        if self._tick():
+            yield
         before, t = self.now, self.times[k]
         self.now = t
         kept = [b for b in self.live if self.lives[b][1] > t]
@@ -244,7 +253,7 @@ class _Sweep:
         slack = self.capacity - self.live_load - self.starting_load[k]
         state = (k, len(kept), self.live_hash) if self.options.failed_states else None
         ok = state not in self.failed and slack >= 0
-        ok = ok and self._fill(k, self._holes(), 0, None, list(todo), slack)
+        ok = ok and (yield from self._fill(k, self._holes(), 0, None, list(todo), slack))
         if not ok and state is not None:
             self.failed.add(state)
         for b in ended:
@@ -283,14 +292,15 @@ class _Sweep:
 
     def _fill(
         self, k: int, holes: list[tuple[int, int]], h: int, level: int | None, todo: list[int], slack: int
-    ) -> bool:
+    ) -> _Steps:
         """Stack ``todo`` into ``holes[h:]`` (hole ``h`` filled up to ``level``), wasting at
         most ``slack``; then go on to the next time."""
         if not todo:
-            return self._event(k + 1)
+            return (yield from self._event(k + 1))
         if h == len(holes):
             return False
-        self._tick()
+        if self._tick():
+            yield
         bottom, top = holes[h]
         at = bottom if level is None else level
         room = top - at
@@ -304,13 +314,95 @@ class _Sweep:
             self.live.append(b)
             self._remember(b)
             rest = todo[:i] + todo[i + 1 :]
-            found = self._fits_around(b) and self._fill(k, holes, h, at + self.sizes[b], rest, slack)
+            found = self._fits_around(b) and (yield from self._fill(k, holes, h, at + self.sizes[b], rest, slack))
             self._forget(b)
             self.live.pop()
             if found:
                 return True
         # Leave the rest of this hole empty, if the slack allows.
-        return room <= slack and self._fill(k, holes, h + 1, None, todo, slack - room)
+        return room <= slack and (yield from self._fill(k, holes, h + 1, None, todo, slack - room))
+
+
+class HoleFilling:
+    """The hole filling of one problem as a search that pauses and resumes: each
+    :meth:`run` goes on from where the last one stopped (no work is repeated), until its
+    deadline, ``stop()``, or the end of the search. The candidate ``orders`` (names from
+    :data:`ORDERS`) take turns, each to a node limit that doubles every round (the no-goods of
+    an order carry over to its next round). ``stop()`` returning True pauses the search
+    (polled with the clock); ``max_nodes`` ends it."""
+
+    def __init__(
+        self,
+        sizes_units: Sequence[int],
+        lives: Sequence[tuple[int, int]],
+        capacity_units: int,
+        *,
+        max_nodes: int | None = None,
+        orders: Sequence[str] = tuple(ORDERS),
+        stop: Callable[[], bool] = lambda: False,
+        options: HoleFillOptions = HoleFillOptions(),
+    ) -> None:
+        self.until = 0.0
+        self.stop = stop
+        self.outcome: HoleFill | None = None  # set once the search has ended
+        self.spent = 0  # nodes of the rounds finished
+        self._sweep: _Sweep | None = None  # the round in progress
+        self._depth = 8 * len(sizes_units) + 1000  # recursion: a generator per node on the path
+        self._steps = self._rounds(sizes_units, lives, capacity_units, max_nodes, orders, options)
+
+    @property
+    def nodes(self) -> int:
+        """Nodes spent so far."""
+        return self.spent + (0 if self._sweep is None else self._sweep.nodes)
+
+    def _pause(self) -> bool:
+        return time.perf_counter() > self.until or self.stop()
+
+    def run(self, until: float) -> HoleFill | None:
+        """Search on until ``until`` (``time.perf_counter()`` time): the outcome once the
+        search has ended (placed, exhausted or out of nodes), ``None`` while it is paused."""
+        if self.outcome is None:
+            self.until = until
+            limit = sys.getrecursionlimit()
+            sys.setrecursionlimit(max(limit, self._depth))
+            try:
+                next(self._steps)
+            except StopIteration as end:
+                self.outcome = end.value
+            finally:
+                sys.setrecursionlimit(limit)
+        return self.outcome
+
+    def _rounds(
+        self,
+        sizes: Sequence[int],
+        lives: Sequence[tuple[int, int]],
+        capacity: int,
+        max_nodes: int | None,
+        orders: Sequence[str],
+        options: HoleFillOptions,
+    ) -> Generator[None, None, HoleFill]:
+        nodes_left = sys.maxsize if max_nodes is None else max_nodes
+        node_limit = len(sizes)
+        failed: dict[str, set[tuple[int, int, int]]] = {order: set() for order in orders}
+        while True:
+            node_limit *= 2
+            for order in orders:
+                while self._pause():
+                    yield
+                nodes = min(node_limit, nodes_left)
+                sweep = _Sweep(sizes, lives, capacity, self._pause, nodes, order, options, failed[order])
+                self._sweep = sweep
+                try:
+                    found: bool | None = yield from sweep.run()
+                except _Stop:
+                    found = None
+                self._sweep = None
+                self.spent, nodes_left = self.spent + sweep.nodes, nodes_left - sweep.nodes
+                if found:
+                    return HoleFill(tuple(sweep.offsets), self.spent)
+                if found is not None or nodes_left <= 0:
+                    return HoleFill(None, self.spent)  # exhausted (no slack: nothing fits), or out of nodes
 
 
 def fill_holes(
@@ -325,34 +417,13 @@ def fill_holes(
     options: HoleFillOptions = HoleFillOptions(),
 ) -> HoleFill:
     """Offsets (units) for every buffer under ``capacity_units`` by filling holes along time,
-    or ``None`` when the search ends (exhausted, out of time or nodes) without one. The
-    candidate ``orders`` (names from :data:`ORDERS`) take turns, each to a node limit that
-    doubles every round. ``stop()`` returning True ends the search (polled with the clock)."""
-    nodes_left = sys.maxsize if max_nodes is None else max_nodes
-    spent, node_limit = 0, len(sizes_units)
-    failed: dict[str, set[tuple[int, int, int]]] = {order: set() for order in orders}
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(limit, 8 * len(sizes_units) + 1000))
-    try:
-        while nodes_left > 0 and time.perf_counter() < deadline:
-            node_limit *= 2
-            for order in orders:
-                nodes = min(node_limit, nodes_left)
-                search = _Sweep(
-                    sizes_units, lives, capacity_units, deadline, nodes, order, stop, options, failed[order]
-                )
-                try:
-                    found = search.run()
-                except _Stop:
-                    found = None
-                spent, nodes_left = spent + search.nodes, nodes_left - search.nodes
-                if found:
-                    return HoleFill(tuple(search.offsets), spent)
-                if found is not None or nodes_left <= 0 or time.perf_counter() >= deadline or stop():
-                    return HoleFill(None, spent)  # exhausted (no slack: nothing fits), or out of budget
-    finally:
-        sys.setrecursionlimit(limit)
-    return HoleFill(None, spent)
+    or ``None`` when the search ends (exhausted, out of time or nodes, or ``stop()``) without
+    one: :class:`HoleFilling` run once until ``deadline``."""
+    search = HoleFilling(
+        sizes_units, lives, capacity_units, max_nodes=max_nodes, orders=orders, stop=stop, options=options
+    )
+    outcome = search.run(deadline)
+    return outcome if outcome is not None else HoleFill(None, search.nodes)
 
 
 def applies(problem: PlacementProblem) -> bool:
@@ -381,6 +452,42 @@ def tight_share(problem: PlacementProblem) -> float:
     return tight / busy if busy else 0.0
 
 
+class FillingAtBound:
+    """:class:`HoleFilling` of ``problem`` at its lower bound, paused and resumed by :meth:`run`."""
+
+    def __init__(
+        self, problem: PlacementProblem, *, max_nodes: int | None = None, stop: Callable[[], bool] = lambda: False
+    ) -> None:
+        assert applies(problem)
+        self.problem, self.seconds = problem, 0.0
+        self.unit, sizes, lives, _ = problem_units(problem)
+        bound = problem.lower_bound_bytes
+        # A bound that is not a whole number of units cannot be met exactly: nothing to search.
+        self.search = (
+            None if bound % self.unit else HoleFilling(sizes, lives, bound // self.unit, max_nodes=max_nodes, stop=stop)
+        )
+
+    @property
+    def ended(self) -> bool:
+        """Whether the search has ended (a further :meth:`run` does nothing)."""
+        return self.search is None or self.search.outcome is not None
+
+    def run(self, until: float) -> Placement | None:
+        """Search on until ``until``: the placement at the lower bound once found, else ``None``
+        (paused, or ended without one)."""
+        if self.search is None:
+            return None
+        t0 = time.perf_counter()
+        outcome = self.search.run(until)
+        self.seconds += time.perf_counter() - t0
+        if outcome is None or outcome.offsets_units is None:
+            return None
+        offsets = tuple(o * self.unit for o in outcome.offsets_units)
+        arena = arena_bytes(self.problem, offsets)
+        bound = self.problem.lower_bound_bytes
+        return Placement(offsets, arena, "hole-filling", "optimal", self.seconds, 0.0, bound)
+
+
 def fill_at_bound(
     problem: PlacementProblem,
     deadline: float,
@@ -388,16 +495,6 @@ def fill_at_bound(
     max_nodes: int | None = None,
     stop: Callable[[], bool] = lambda: False,
 ) -> Placement | None:
-    """A placement of ``problem`` at its lower bound found by :func:`fill_holes`, or ``None``."""
-    assert applies(problem)
-    t0 = time.perf_counter()
-    unit, sizes, lives, _ = problem_units(problem)
-    bound = problem.lower_bound_bytes
-    if bound % unit:
-        return None  # the bound is not a whole number of units: no placement meets it exactly
-    found = fill_holes(sizes, lives, bound // unit, deadline, max_nodes=max_nodes, stop=stop)
-    if found.offsets_units is None:
-        return None
-    offsets = tuple(o * unit for o in found.offsets_units)
-    arena = arena_bytes(problem, offsets)
-    return Placement(offsets, arena, "hole-filling", "optimal", time.perf_counter() - t0, 0.0, bound)
+    """A placement of ``problem`` at its lower bound found by :func:`fill_holes` before
+    ``deadline``, or ``None``."""
+    return FillingAtBound(problem, max_nodes=max_nodes, stop=stop).run(deadline)
