@@ -18,6 +18,7 @@ ORDER = [
     "run-b1-time",
     "run-b32",
     "run-b32-partial",
+    "run-b32-time",
     "rss-b32",
     "optimizers",
     "loops",
