@@ -16,6 +16,7 @@ ORDER = [
     "placement_hard",
     "run-b1",
     "run-b1-time",
+    "run-b1-idle",
     "run-b32",
     "run-b32-partial",
     "run-b32-time",
