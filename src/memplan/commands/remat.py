@@ -74,6 +74,16 @@ ReorderFlag = Annotated[
         "saves recomputation (joint recomputation and reordering).",
     ),
 ]
+GapLimit = Annotated[
+    float | None,
+    typer.Option(
+        "--gap-limit",
+        min=0.0,
+        max=1.0,
+        help="Stop a solver once its plan is proven within this fraction of the step's compute (0.01 = 1%; "
+        "0 = search until optimal or out of time). Default: 0.001 for portfolio and moccasin, 0 for checkmate.",
+    ),
+]
 SacPolicyOut = Annotated[
     Path | None,
     typer.Option(
@@ -123,6 +133,7 @@ def remat(
     workspace: WorkspaceFlag = False,
     solver: SolverOption = SolverName.cp_sat,
     reorder: ReorderFlag = False,
+    gap_limit: GapLimit = None,
     sac_policy: SacPolicyOut = None,
     sac_measure: SacMeasure = False,
     quiet: Quiet = False,
@@ -148,7 +159,7 @@ def remat(
     budget_bytes = parse_budget(budget, top)
     problem = problem.with_budget(budget_bytes)
     with progress(f"solving {', '.join(names)} within {format_bytes(budget_bytes)}") as shown:
-        plans = solve_plans(problem, names, solver.value, reorder, lambda text: shown.advance(0, label=text))
+        plans = solve_plans(problem, names, solver.value, reorder, lambda text: shown.advance(0, label=text), gap_limit)
     floor = memory_floor(problem)
     report: dict[str, Any] = {
         "budget_bytes": budget_bytes,
@@ -157,6 +168,7 @@ def remat(
         "cost_model": cost.value,
         "workspace": workspace,
         "reorder": reorder,
+        "gap_limit": gap_limit,
         "workspace_bytes_max": max(problem.workspace, default=0),
         "floor_bytes": floor.bytes,
         "strategies": {n: p.summary() for n, p in plans.items()},
@@ -254,22 +266,24 @@ def solve_plans(
     solver: str,
     reorder: bool = False,
     progress: Callable[[str], None] | None = None,
+    gap_limit: float | None = None,
 ) -> dict[str, Any]:
     """Each strategy's plan; Checkmate's MILP with ``solver``, warm-started from the best baseline.
-    ``progress(text)`` hears which solver runs (they take up to the time limit each)."""
+    ``progress(text)`` hears which solver runs (they take up to the time limit each);
+    ``gap_limit``: every solver's (None: each its own default)."""
     from memplan.remat.baselines import BASELINES
     from memplan.remat.milp import solve_checkmate
     from memplan.remat.sweep import solve_all
 
     say = progress or (lambda text: None)
     if solver == "cp-sat" or "checkmate" not in names:
-        return solve_all(problem, names, say, reorder)
-    plans = solve_all(problem, [n for n in names if n != "checkmate"], say, reorder)
+        return solve_all(problem, names, say, reorder, gap_limit)
+    plans = solve_all(problem, [n for n in names if n != "checkmate"], say, reorder, gap_limit)
     baselines = {n: plans.get(n) or BASELINES[n](problem) for n in BASELINES}
     fits = [p for p in baselines.values() if p.feasible]
     warm = min(fits, key=lambda p: (p.compute_cost, p.peak_bytes)) if fits else None
     say(f"checkmate MILP with {solver}")
-    plans["checkmate"] = solve_checkmate(problem, warm, solver=solver)
+    plans["checkmate"] = solve_checkmate(problem, warm, solver=solver, gap_limit=gap_limit or 0.0)
     return {name: plans[name] for name in names}
 
 

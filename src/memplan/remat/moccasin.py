@@ -232,6 +232,14 @@ def cost_scale(costs: tuple[float, ...]) -> tuple[list[int], float]:
     return [max(0, round(c / unit)) for c in costs], unit
 
 
+def _scaled_floor(floor: float, unit: float, costs: tuple[float, ...], runs_per_node: int) -> int:
+    """``floor`` in the scaled costs' units, rounded down past what the scaling can lose:
+    nothing for exact integer costs, half a unit per run for rounded ones."""
+    exact = all(float(c).is_integer() for c in costs)
+    slack = 0.0 if exact else 0.5 * runs_per_node * len(costs)
+    return max(0, math.floor(floor / unit - slack) - 1)
+
+
 def build_model(
     sg: SolverGraph,
     budget_bytes: int,
@@ -240,6 +248,7 @@ def build_model(
     defer: bool = False,
     elastic: bool = False,
     stage_cuts: bool = True,
+    objective_floor: float | None = None,
 ) -> CpModel:
     """Moccasin over ``sg`` (see the module docstring). With ``defer``, a node's first run in
     its own stage is optional too: the node may first run in a later stage (a slot of its
@@ -250,7 +259,10 @@ def build_model(
     the search walks from one to a plan within the budget (excess 0, proven optimal).
 
     ``stage_cuts`` adds the redundant constraints of :func:`_stage_cuts` (not with ``defer``
-    or ``elastic``): they change no solution, they give the search a lower bound."""
+    or ``elastic``): they change no solution, they give the search a lower bound.
+    ``objective_floor``: a cost (problem units) no plan in program order goes below (e.g.
+    :func:`memplan.remat.bounds.drop_cover_bound`), given to the search as its bound, less the
+    rounding of the scaled costs (not with ``defer`` or ``elastic``)."""
     reads = node_reads(sg)
     events = build_events(sg, reads)
     model = cp_model.CpModel()
@@ -294,7 +306,10 @@ def build_model(
         if capacity < 0:
             model.add_bool_or([])  # the persistent bytes alone exceed the budget
         model.add_cumulative(intervals, demands, max(0, capacity))
-        model.minimize(sum(costs[k] * run.present for k, node_runs in enumerate(runs) for run in node_runs))
+        objective = sum(costs[k] * run.present for k, node_runs in enumerate(runs) for run in node_runs)
+        if objective_floor is not None and not defer:
+            model.add(objective >= _scaled_floor(objective_floor, cost_unit, sg.cost, runs_per_node))
+        model.minimize(objective)
     return CpModel(model, events, reads, runs, cost_unit, unit)
 
 
@@ -637,6 +652,7 @@ def solve_moccasin(
     gap_limit: float = 0.0,
     defer: bool = False,
     start_rows: list[list[int]] | None = None,
+    objective_floor: float | None = None,
 ) -> tuple[RematSchedule | None, SolveStatus, dict[str, object]]:
     """Solve Moccasin over ``sg``: the lowered plan (None without one), the solver's status
     (objective and bound in the problem's cost units) and details for the result. The search
@@ -659,13 +675,21 @@ def solve_moccasin(
     Without ``defer``, the stage cuts (:func:`_stage_cuts`) are first solved alone
     (:func:`stage_cut_bound`, :data:`CUT_PROBE_SECONDS`); they join the model when their bound
     is above the plain step by more than :data:`CUTS_MIN_GAIN`, and their bound counts in the
-    answer's bound either way."""
+    answer's bound either way. ``objective_floor``: a bound known before the search (see
+    :func:`build_model`), so that the gap limit can stop it."""
     start = time.perf_counter()
     limit = problem.time_limit_seconds if time_limit_seconds is None else time_limit_seconds
     details: dict[str, object] = {"formulation": "moccasin", "phase1": None}
     cut_bound, cuts = _probe_cuts(problem, sg, runs_per_node, defer, limit)
     details.update(cut_bound=cut_bound, stage_cuts=cuts)
-    cm = build_model(sg, problem.budget_bytes, problem.graph.persistent_bytes, runs_per_node, defer, stage_cuts=cuts)
+
+    def model() -> CpModel:
+        persistent = problem.graph.persistent_bytes
+        return build_model(
+            sg, problem.budget_bytes, persistent, runs_per_node, defer, stage_cuts=cuts, objective_floor=objective_floor
+        )
+
+    cm = model()
     hinted = add_hints(cm, sg, hint_rows) if hint_rows is not None else False
     # CP-SAT's presolve spends tens of seconds on the larger models for little gain
     parameters: dict[str, object] = {"cp_model_presolve": False, "relative_gap_limit": gap_limit}
@@ -678,9 +702,7 @@ def solve_moccasin(
         left = limit - (time.perf_counter() - start)
         rows, details["phase1"] = _phase1(problem, sg, start_rows, runs_per_node, left * PHASE1_SHARE, defer)
         if rows is not None:
-            cm = build_model(
-                sg, problem.budget_bytes, problem.graph.persistent_bytes, runs_per_node, defer, stage_cuts=cuts
-            )
+            cm = model()
             hinted = add_hints(cm, sg, rows)
             solver, status = _solve(cm, problem, limit - (time.perf_counter() - start), parameters, None, found)
     status = _with_bound(_in_cost_units(status, cm.cost_unit), cut_bound)

@@ -336,6 +336,15 @@ def memory_floor(problem: RematProblem) -> MemoryFloor:
     resident from its only instance to its last read. A budget below the floor has no plan:
     this is the proof behind the status "infeasible".
     """
+    best = MemoryFloor(problem.graph.persistent_bytes, 0)
+    for v, need in enumerate(floor_by_op(problem)):
+        if need > best.bytes:
+            best = MemoryFloor(need, v)
+    return best
+
+
+def floor_by_op(problem: RematProblem) -> list[int]:
+    """Per op ``v``, the bytes resident at ``v``'s first run in every plan (see :func:`memory_floor`)."""
     graph = problem.graph
     n = len(graph.ops)
     limits = rerun_limits(graph)
@@ -354,7 +363,7 @@ def memory_floor(problem: RematProblem) -> MemoryFloor:
             forced[begin] += tensor.size_bytes
             forced[end] -= tensor.size_bytes
             forced_at[begin].append((t, end))
-    best = MemoryFloor(graph.persistent_bytes, 0)
+    needs = []
     resident = 0
     intervals: dict[int, int] = {}
     for v, op in enumerate(graph.ops):
@@ -364,7 +373,5 @@ def memory_floor(problem: RematProblem) -> MemoryFloor:
         own = {t for t in (*op.inputs, *op.outputs) if not graph.tensors[t].persistent}
         extra = sum(graph.tensors[t].size_bytes for t in own if not (t in intervals and intervals[t] > v))
         scratch = problem.workspace[v] if problem.workspace else 0
-        need = graph.persistent_bytes + resident + extra + scratch
-        if need > best.bytes:
-            best = MemoryFloor(need, v)
-    return best
+        needs.append(graph.persistent_bytes + resident + extra + scratch)
+    return needs

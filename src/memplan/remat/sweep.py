@@ -10,7 +10,7 @@ from typing import Any
 from memplan.graph.ir import Graph
 from memplan.remat.baselines import BASELINES, checkpoint_all
 from memplan.remat.milp import solve_checkmate
-from memplan.remat.portfolio import solve_remat
+from memplan.remat.portfolio import GAP_LIMIT, solve_remat
 from memplan.remat.problem import RematProblem, RematSchedule
 
 
@@ -19,18 +19,20 @@ def solve_all(
     strategies: Sequence[str],
     progress: Callable[[str], None] | None = None,
     reorder: bool = False,
+    gap_limit: float | None = None,
 ) -> dict[str, RematSchedule]:
     """Run ``strategies`` on one problem: every baseline once, then the solvers. Checkmate's
     MILP is warm-started from the best baseline; the portfolio and Moccasin run their own
     (:func:`memplan.remat.portfolio.solve_remat`, ``reorder`` passed on), with ``progress``
-    told what runs."""
+    told what runs. ``gap_limit``: every solver's stopping gap (None: the MILP exact, the
+    others :data:`memplan.remat.portfolio.GAP_LIMIT`)."""
     plans = {name: solve(problem) for name, solve in BASELINES.items()}
     if "checkmate" in strategies:
         if progress:
             progress(f"checkmate MILP ({problem.time_limit_seconds:g} s)")
         fits = [p for p in plans.values() if p.feasible]
         warm = min(fits, key=lambda p: (p.compute_cost, p.peak_bytes)) if fits else None
-        plans["checkmate"] = solve_checkmate(problem, warm)
+        plans["checkmate"] = solve_checkmate(problem, warm, gap_limit=gap_limit or 0.0)
     for name, formulations in (("moccasin", ("moccasin",)), ("portfolio", ("moccasin", "checkmate"))):
         if name in strategies:
             plan = solve_remat(
@@ -42,6 +44,7 @@ def solve_all(
                 workers=problem.workers,
                 formulations=formulations,
                 reorder=reorder,
+                gap_limit=GAP_LIMIT if gap_limit is None else gap_limit,
                 progress=(lambda text, name=name: progress(f"{name}: {text}")) if progress else None,
             )
             plan.strategy = name

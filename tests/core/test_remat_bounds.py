@@ -1,0 +1,120 @@
+"""The drop-cover bound (memplan.remat.bounds): below every plan in program order (brute
+force), tight on a hand-made chain, and what it lets the portfolio and the CP model do."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from memplan.graph.io import write_graph_json
+from memplan.remat import solve_remat
+from memplan.remat.baselines import checkpoint_all
+from memplan.remat.bounds import SCOPE, drop_cover_bound
+from memplan.remat.coarsen import identity
+from memplan.remat.moccasin import solve_moccasin
+from memplan.remat.problem import RematProblem, memory_floor
+from tests.core.test_remat import fwd_bwd_chain
+from tests.core.test_remat_portfolio import TINY, all_plans, cheapest, small_graph, tiny
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), num_ops=st.integers(2, 5), fraction=st.floats(0.3, 1.0))
+def test_the_bound_is_below_every_plan_in_program_order(seed: int, num_ops: int, fraction: float) -> None:
+    graph = small_graph(seed, num_ops)
+    top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
+    problem = RematProblem(graph, int(top * fraction))
+    bound = drop_cover_bound(problem)
+    cheapest_in_order = cheapest(all_plans(graph), problem.budget_bytes, in_order=True)
+    assert bound.cost >= problem.plain_cost and bound.cost == problem.plain_cost + bound.extra
+    if cheapest_in_order is not None:
+        assert bound.cost <= cheapest_in_order + 1e-9
+    assert math.isinf(bound.cost) == (memory_floor(problem).bytes > problem.budget_bytes)
+
+
+@pytest.mark.parametrize(("kind", "seed"), TINY)
+def test_the_bound_is_below_every_plan_of_the_tiny_graphs(kind: str, seed: int) -> None:
+    graph = tiny(kind, seed)
+    plans = all_plans(graph)
+    top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
+    for fraction in (1.0, 0.9, 0.8, 0.7, 0.6, 0.5):
+        problem = RematProblem(graph, int(top * fraction))
+        in_order = cheapest(plans, problem.budget_bytes, in_order=True)
+        if in_order is not None:
+            assert drop_cover_bound(problem).cost <= in_order + 1e-9
+
+
+CHAIN = fwd_bwd_chain([10, 10, 10, 10], [3, 7, 5, 2])
+"""f0..f3, the loss, b3..b1: plain cost 46, checkpoint-all peak 41 B, memory floor 31 B."""
+
+
+def test_the_bound_is_the_optimum_at_the_floor_of_a_chain() -> None:
+    """At 31 B the loss's first run must drop 10 B of x0..x1; re-running f0 (cost 3) is the
+    cheapest way, and the CP model proves 49 optimal: the bound is tight there."""
+    floor = memory_floor(RematProblem(CHAIN, 0)).bytes
+    assert floor == 31
+    problem = RematProblem(CHAIN, floor, time_limit_seconds=5.0, workers=1)
+    bound = drop_cover_bound(problem)
+    plan, status, _ = solve_moccasin(problem, identity(problem))
+    assert plan is not None and status.status == "optimal"
+    assert bound.cost == plan.compute_cost == 49.0 and CHAIN.ops[bound.op].name == "loss"
+    loose = RematProblem(CHAIN, 40)
+    assert 46.0 < drop_cover_bound(loose).cost < 49.0
+    assert drop_cover_bound(RematProblem(CHAIN, 41)).extra == 0.0
+
+
+def test_the_portfolio_proves_a_baseline_plan_with_the_bound_and_stops() -> None:
+    """At the chain's floor a baseline's plan meets the bound: "optimal" without a solver,
+    the other baselines skipped."""
+    plan = solve_remat(CHAIN, 31, 5.0, workers=1)
+    assert plan.status == "optimal" and plan.compute_cost == 49.0 and plan.details["scope"] == SCOPE
+    attempts = plan.details["attempts"]
+    names = [str(a["name"]) for a in attempts]  # type: ignore[union-attr]
+    assert "moccasin" not in names and "checkmate" not in names
+    assert any(a.get("status") == "skipped" for a in attempts)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("integral", [True, False])
+@pytest.mark.parametrize(("kind", "seed"), TINY[:4])
+def test_the_cp_model_keeps_its_optimum_under_the_floor(kind: str, seed: int, integral: bool) -> None:
+    """Given the optimum itself as ``objective_floor`` (exact or rounded costs), the CP model
+    still finds it: the floor is lowered past the scaling's rounding, never above a plan."""
+    graph = tiny(kind, seed)
+    top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
+    cost = () if integral else tuple(1.0 + 0.37 * (v % 5) for v in range(len(graph.ops)))
+    for fraction in (0.85, 0.7):
+        problem = RematProblem(graph, int(top * fraction), cost, time_limit_seconds=5.0, workers=1)
+        free, _, _ = solve_moccasin(problem, identity(problem))
+        if free is None:
+            continue
+        floored, status, _ = solve_moccasin(problem, identity(problem), objective_floor=free.compute_cost)
+        assert floored is not None and status.status == "optimal"
+        assert floored.compute_cost == pytest.approx(free.compute_cost)
+
+
+# --- the gap limit on the command line ---------------------------------------------------------
+
+
+def test_cli_gap_limit_reaches_every_solver(tmp_path: Path) -> None:
+    """``memplan remat --gap-limit``: the portfolio, the CP model and the MILP each stop within
+    it and say "feasible" with their gap (or "optimal"); the JSON records it; a limit above 1
+    is refused with a one-line message."""
+    from memplan.cli import app
+
+    write_graph_json(fwd_bwd_chain([40, 60, 50, 30, 20], [3, 1, 2, 2, 1]), tmp_path / "g.json")
+    out = tmp_path / "r.json"
+    args = ["remat", str(tmp_path / "g.json"), "--budget", "0.8", "--time-limit", "3", "--json", str(out)]
+    result = CliRunner().invoke(app, [*args, "--strategy", "all", "--gap-limit", "0.5"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["gap_limit"] == 0.5
+    for name in ("portfolio", "moccasin", "checkmate"):
+        plan = report["strategies"][name]
+        assert plan["feasible"] and (plan["status"] == "optimal" or plan["gap"] <= 0.5), (name, plan)
+    refused = CliRunner().invoke(app, [*args, "--gap-limit", "2"])
+    assert refused.exit_code != 0 and "--gap-limit" in refused.output
