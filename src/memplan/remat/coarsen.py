@@ -135,12 +135,12 @@ def build_solver_graph(
     for k, members in enumerate(groups):
         for v in members:
             group_of[v] = k
+    persistent = [_all_persistent(graph, members) for members in groups]
     preds = []
     for members in groups:
         ps = {group_of[graph.producer[t]] for v in members for t in graph.ops[v].inputs}
         ps.discard(group_of[members[0]])
-        ps = {p for p in ps if not _all_persistent(graph, groups[p])}
-        preds.append(tuple(sorted(ps)))
+        preds.append(tuple(sorted(p for p in ps if not persistent[p])))
     users: list[list[int]] = [[] for _ in groups]
     for k, ps in enumerate(preds):
         for p in ps:
