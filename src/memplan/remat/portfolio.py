@@ -3,7 +3,8 @@
 The portfolio runs, within one time limit, and keeps the cheapest plan that fits:
 
 1. the **memory floor** (:func:`memplan.remat.problem.memory_floor`): a budget below it has
-   no plan, proven, and the answer is "infeasible" at once;
+   no plan, proven, and the answer is "infeasible" at once; then the **drop-cover bound**
+   (:func:`memplan.remat.bounds.drop_cover_bound`), the first bound on the compute;
 2. every **baseline** of :mod:`memplan.remat.baselines` on the whole graph (Chen's, Griewank's,
    AP, linearized, Chen's drop-cheap, DTR), within a share of the time: plans in seconds, and
    the warm starts of the solvers;
@@ -22,11 +23,13 @@ measured by the one estimator; an invalid one is dropped and noted. The answer h
 status: "optimal" (a formulation proved its optimum and no plan beats it), "feasible" (a plan
 within the budget, with its gap to the best bound), "infeasible" (only with a proof: the
 memory floor, or Checkmate's MILP on a graph of one node per op) or "unknown" (no plan within
-the time limit, and no proof that none exists). The bound starts at the plain step's cost
-(every op runs at least once: a baseline's plan within the gap limit of it ends the search at
-once) and is raised by a solver's bound over the whole graph, never by one over a coarsened
-graph; it and the gap speak for the scope named in ``details["scope"]`` (the CP model's: plans
-with at most ``runs_per_node`` runs of each node, first runs in program order).
+the time limit, and no proof that none exists). The bound starts at the drop-cover bound (the
+plain step's cost with ``reorder``: every op runs at least once), so that a baseline's plan
+within the gap limit of it ends the search after the baselines of :data:`ALWAYS_RUN`; the CP
+model is given it as its objective's floor. It is raised by a solver's bound over the whole
+graph, never by one over a coarsened graph; it and the gap speak for the scope named in
+``details["scope"]`` (the drop cover's: plans whose first runs keep program order; the CP
+model's: those with at most ``runs_per_node`` runs of each node).
 """
 
 from __future__ import annotations
@@ -75,7 +78,11 @@ BASELINE_ORDER = (
     "chen-sqrtn",
 )
 """The baselines, the most useful first: DTR's plan is the cheapest on most of the zoo and
-takes tenths of a second; once a plan is proven within the gap limit the rest are skipped."""
+takes tenths of a second; once a plan is proven within the gap limit, those after
+:data:`ALWAYS_RUN` are skipped."""
+ALWAYS_RUN = ("checkpoint-all", "dtr", "chen-drop-cheap")
+"""The baselines that run even once a plan is proven within the gap limit: tenths of a second
+together, and one of them has the cheapest plan on most of the zoo's budgets."""
 QUICK_BASELINES = ("checkpoint-all", "chen-drop-cheap", "dtr", "linearized-greedy")
 """The baselines that warm-start the CP model over a coarsened graph."""
 
@@ -222,7 +229,7 @@ class _Portfolio:
         self.report("baselines")
         deadline = self.start + BASELINE_SHARE * self.problem.time_limit_seconds
         for name in BASELINE_ORDER:
-            if self.proven():
+            if name not in ALWAYS_RUN and self.proven():
                 self.attempts.append({"name": name, "status": "skipped", "message": "a plan is proven within the gap"})
                 continue
             if time.perf_counter() > deadline and self.best is not None:
