@@ -64,6 +64,7 @@ BASELINE_ORDER = (
     "checkpoint-all",
     "chen-drop-cheap",
     "dtr",
+    "dtr-planned",
     "linearized-greedy",
     "ap-greedy",
     "chen-greedy",
