@@ -514,6 +514,24 @@ def test_planned_dtr_finds_a_plan_where_the_other_baselines_do_not(seed: int, nu
     assert plan.peak_bytes == sequence_peak_bytes(graph, plan.steps) <= problem.budget_bytes
 
 
+def test_a_plan_with_three_runs_of_a_node_starts_the_cp_search() -> None:
+    """DTR planned ahead recomputes a node twice here: the CP model takes a third run per
+    node to start from it; its optimum is no cheaper than the best plan of that scope (brute force)."""
+    graph = small_graph(5, 6)
+    top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
+    budget = int(top * 0.7)
+    problem = RematProblem(graph, budget, time_limit_seconds=5.0, workers=1, max_solver_nodes=10**6)
+    sg = solver_graph(problem)
+    start = BASELINES["dtr-planned"](problem)
+    assert start.feasible and moccasin.runs_for_hint(sg, start.details["rows"], 2) == 3  # type: ignore[arg-type]
+    plan, status, details = solve_moccasin(problem, sg, start.details["rows"], 2)  # type: ignore[arg-type]
+    assert details["hinted"] and "at most 3 runs" in str(details["scope"])
+    assert plan is not None and status.status == "optimal" and plan.compute_cost <= start.compute_cost
+    validate_sequence(graph, plan.steps)
+    assert plan.peak_bytes == sequence_peak_bytes(graph, plan.steps) <= budget
+    assert plan.compute_cost >= cheapest(all_plans(graph), budget, 3)  # type: ignore[operator]
+
+
 def test_the_lowest_peak_within_a_compute_allowance() -> None:
     rng = random.Random(7)
     graph = fwd_bwd_chain([rng.randint(10, 90) for _ in range(8)], [rng.randint(1, 9) for _ in range(8)])
