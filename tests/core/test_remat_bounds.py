@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from memplan.graph.io import write_graph_json
 from memplan.remat import solve_remat
-from memplan.remat.baselines import checkpoint_all
+from memplan.remat.baselines import checkpoint_all, solver_graph
 from memplan.remat.bounds import SCOPE, drop_cover_bound
 from memplan.remat.coarsen import identity
 from memplan.remat.moccasin import solve_moccasin
@@ -120,3 +120,28 @@ def test_cli_gap_limit_reaches_every_solver(tmp_path: Path) -> None:
         assert plan["feasible"] and (plan["status"] == "optimal" or plan["gap"] <= 0.5), (name, plan)
     refused = CliRunner().invoke(app, [*args, "--gap-limit", "2"])
     assert refused.exit_code != 0 and "--gap-limit" in refused.output
+
+
+# --- the CP model's hints over a coarsened graph -----------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [9, 11])
+def test_hints_over_a_coarsened_cp_graph_are_over_that_graph(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the CP model's graph is coarsened, the quick baselines that hint it decide over
+    the same groups (a graph with a prologue of placeholders: its node limit is not its size)."""
+    import time
+
+    from memplan.remat import portfolio
+    from tests.core.test_remat_baselines import chain_with_updates
+
+    graph = chain_with_updates(seed)
+    top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
+    problem = RematProblem(graph, int(top * 0.9), time_limit_seconds=5.0, workers=1, max_solver_nodes=10**9)
+    monkeypatch.setattr(portfolio, "EVENTS_PER_SECOND", 4)  # coarsen whatever the graph
+    run = portfolio._Portfolio(problem, time.perf_counter(), 0.0, lambda _: None, ("moccasin",))
+    sg = run.cp_graph()
+    assert sg.size < run.whole.size and sg.groups[0] == run.whole.groups[0]  # the prologue stays
+    assert solver_graph(run.problem_for(sg)).groups == sg.groups
+    best, lowest = run.hint_for(sg)
+    for rows in (best, lowest):
+        assert rows is None or len(rows) == sg.size

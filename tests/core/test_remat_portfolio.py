@@ -446,7 +446,7 @@ def test_the_portfolio_runs_every_baseline() -> None:
 
 
 def test_phase_one_finds_a_plan_where_no_baseline_fits() -> None:
-    graph = small_graph(0, 14)
+    graph = small_graph(19, 14)
     top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
     problem = RematProblem(graph, int(top * 0.85), time_limit_seconds=10.0, workers=1, max_solver_nodes=10**6)
     assert not any(solve(problem).feasible for solve in BASELINES.values())
@@ -460,6 +460,76 @@ def test_phase_one_finds_a_plan_where_no_baseline_fits() -> None:
     assert best is not None and status.status == "optimal" and best.compute_cost <= plan.compute_cost
     portfolio = solve_remat(graph, problem.budget_bytes, 10.0, workers=1)
     assert portfolio.status == "optimal" and portfolio.compute_cost == best.compute_cost
+
+
+# --- DTR planned ahead ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kind", "seed"), TINY)
+def test_planned_dtr_fits_and_costs_no_less_than_brute_force(kind: str, seed: int) -> None:
+    graph = tiny(kind, seed)
+    plans = all_plans(graph)
+    top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
+    for fraction in (1.0, 0.9, 0.8, 0.7, 0.6, 0.5):
+        budget = int(top * fraction)
+        plan = BASELINES["dtr-planned"](RematProblem(graph, budget, max_solver_nodes=10**6))
+        expected = cheapest(plans, budget)
+        if fraction == 1.0:
+            assert plan.feasible and plan.compute_cost == plan.plain_cost  # nothing to evict
+        if plan.feasible:
+            validate_sequence(graph, plan.steps)
+            assert plan.peak_bytes == sequence_peak_bytes(graph, plan.steps) <= budget
+            assert expected is not None and plan.compute_cost >= expected
+        else:
+            assert plan.status == "over-budget" and plan.message
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10**6), num_ops=st.integers(6, 16), fraction=st.floats(0.5, 1.0))
+def test_planned_dtr_plans_are_valid_on_random_graphs(seed: int, num_ops: int, fraction: float) -> None:
+    graph = small_graph(seed, num_ops)
+    top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
+    problem = RematProblem(graph, int(top * fraction), max_solver_nodes=10**6)
+    plan = BASELINES["dtr-planned"](problem)
+    if plan.feasible:
+        validate_sequence(graph, plan.steps)
+        assert plan.peak_bytes == sequence_peak_bytes(graph, plan.steps) <= problem.budget_bytes
+        assert plan.compute_cost == run_cost(problem.cost, plan.steps)
+    if problem.budget_bytes < memory_floor(problem).bytes:
+        assert not plan.feasible
+
+
+@pytest.mark.parametrize(("seed", "num_ops", "fraction"), [(23, 8, 0.85), (1, 12, 0.8), (18, 12, 0.75)])
+def test_planned_dtr_finds_a_plan_where_the_other_baselines_do_not(seed: int, num_ops: int, fraction: float) -> None:
+    """DTR's online rule frees a value once its last reader ran, so a later remake of an
+    evicted value recomputes from the sources, and its recursion may evict what it is about
+    to read: it gives up. Planned ahead it retains those inputs and remakes in order."""
+    graph = small_graph(seed, num_ops)
+    top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
+    problem = RematProblem(graph, int(top * fraction), max_solver_nodes=10**6)
+    assert not any(solve(problem).feasible for name, solve in BASELINES.items() if name != "dtr-planned")
+    plan = BASELINES["dtr-planned"](problem)
+    assert plan.feasible and plan.compute_cost > plan.plain_cost
+    validate_sequence(graph, plan.steps)
+    assert plan.peak_bytes == sequence_peak_bytes(graph, plan.steps) <= problem.budget_bytes
+
+
+def test_a_plan_with_three_runs_of_a_node_starts_the_cp_search() -> None:
+    """DTR planned ahead recomputes a node twice here: the CP model takes a third run per
+    node to start from it; its optimum is no cheaper than the best plan of that scope (brute force)."""
+    graph = small_graph(5, 6)
+    top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
+    budget = int(top * 0.7)
+    problem = RematProblem(graph, budget, time_limit_seconds=5.0, workers=1, max_solver_nodes=10**6)
+    sg = solver_graph(problem)
+    start = BASELINES["dtr-planned"](problem)
+    assert start.feasible and moccasin.runs_for_hint(sg, start.details["rows"], 2) == 3  # type: ignore[arg-type]
+    plan, status, details = solve_moccasin(problem, sg, start.details["rows"], 2)  # type: ignore[arg-type]
+    assert details["hinted"] and "at most 3 runs" in str(details["scope"])
+    assert plan is not None and status.status == "optimal" and plan.compute_cost <= start.compute_cost
+    validate_sequence(graph, plan.steps)
+    assert plan.peak_bytes == sequence_peak_bytes(graph, plan.steps) <= budget
+    assert plan.compute_cost >= cheapest(all_plans(graph), budget, 3)  # type: ignore[operator]
 
 
 def test_the_lowest_peak_within_a_compute_allowance() -> None:

@@ -17,6 +17,10 @@ the same code (:mod:`memplan.remat.lower`).
   program order; when the next run does not fit, evict the resident value with the lowest
   ``cost / (bytes * staleness)``, and recompute an evicted value (recursively) when it is
   read. It needs no forward/backward split: the baseline for any graph;
+* DTR planned ahead: DTR's rule with what a planner that sees the whole step knows (the
+  inputs of an evicted value are retained while its remake needs them, remakes run in
+  program order, the next use may replace the staleness as in Belady's MIN) and, where
+  nothing fits, lower internal budgets: plans near the memory floor where DTR gives up;
 * Chen drop-cheap (Chen et al. 4.2, "drop the results of low cost operations"): drop the
   forward values that are cheapest to make per byte (batch norm, activations, pooling; a
   convolution's output is kept), recompute each once when the backward pass needs it; the
@@ -30,6 +34,7 @@ time a backward stage recomputes one of its nodes, and its values are kept from 
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 import time
 from collections.abc import Callable, Set
@@ -37,7 +42,7 @@ from collections.abc import Callable, Set
 from memplan.errors import InfeasibleBudget
 from memplan.remat.coarsen import SolverGraph, coarsen
 from memplan.remat.lower import InvalidPlan, schedule_from_decisions
-from memplan.remat.problem import RematProblem, RematSchedule
+from memplan.remat.problem import RematProblem, RematSchedule, memory_floor
 
 Carry = Callable[[int, int], bool]
 """``carry(t, i)``: keep node ``i``'s value from stage ``t`` into stage ``t + 1``."""
@@ -271,10 +276,13 @@ class _Dtr:
             memo: dict[int, float] = {}
 
             def score(part: Part, memo: dict[int, float] = memo) -> float:
-                stale = max(1, self.clock - self.touched[part]) ** self.power
-                return (self.remake(part[0], memo) + 1e-9) / (self.resident[part] * stale)
+                return (self.remake(part[0], memo) + 1e-9) / (self.resident[part] * self.weight(part, t))
 
             self.drop(min(candidates, key=score))
+
+    def weight(self, part: Part, t: int) -> float:
+        """DTR's staleness ``s(t)`` to the power: how long since ``part`` was last read."""
+        return float(max(1, self.clock - self.touched[part]) ** self.power)
 
     def run(self, k: int, t: int, wanted: tuple[Part, ...], pinned: set[Part]) -> None:
         """Run node ``k`` in stage ``t``, first remaking what it reads that was evicted."""
@@ -318,6 +326,133 @@ def dtr_rows(sg: SolverGraph, budget_bytes: int, staleness_power: float = 1.0) -
     node until it is evicted or no later first run reads it; a run holds its inputs and its
     whole peak. Only values whose node may still be re-run are evicted."""
     return _Dtr(sg, budget_bytes, staleness_power).simulate()
+
+
+class _PlannedDtr(_Dtr):
+    """DTR planned ahead (see :func:`dtr_planned_rows`)."""
+
+    def __init__(self, sg: SolverGraph, budget_bytes: int, power: float, lookahead: bool) -> None:
+        super().__init__(sg, budget_bytes, power)
+        self.lookahead = lookahead
+        self.first_readers: dict[Part, list[int]] = {}
+        for j in range(sg.size):
+            for part in self.reads.first[j]:
+                self.first_readers.setdefault(part, []).append(j)
+        self.next_use: dict[Part, int] = {}
+
+    def needed(self, t: int) -> set[Part]:
+        """Parts some later first run reads, and what the remakes of the evicted ones read, recursively."""
+        need = {part for part, last in self.last_reader.items() if last > t}
+        stack = [part for part in need if part[0] <= t and part not in self.resident]  # evicted
+        while stack:
+            for part in self.reads.rerun[stack.pop()[0]]:
+                if part not in need:
+                    need.add(part)
+                    if part not in self.resident:
+                        stack.append(part)
+        return need
+
+    def next_uses(self, t: int) -> dict[Part, int]:
+        """Per part, the stage of its next read: its next first-run reader's, or the earliest
+        next use of an evicted part whose remake reads it (Belady's MIN needs the future)."""
+        uses: dict[Part, int] = {}
+        for part, readers in self.first_readers.items():
+            i = bisect.bisect_left(readers, t)
+            if i < len(readers):
+                uses[part] = readers[i]
+        heap = [(stage, part) for part, stage in uses.items() if part[0] < t and part not in self.resident]
+        heapq.heapify(heap)
+        while heap:
+            stage, part = heapq.heappop(heap)
+            if uses.get(part, stage) < stage:
+                continue
+            for q in self.reads.rerun[part[0]]:
+                if uses.get(q, self.sg.size + 1) > stage:
+                    uses[q] = stage
+                    if q not in self.resident:
+                        heapq.heappush(heap, (stage, q))
+        return uses
+
+    def evict(self, need: int, pinned: set[Part], t: int) -> None:
+        if self.lookahead and self.live + need > self.budget:
+            self.next_use = self.next_uses(t)
+        super().evict(need, pinned, t)
+
+    def weight(self, part: Part, t: int) -> float:
+        """Staleness (DTR), or with lookahead the distance to the next read (Belady)."""
+        if not self.lookahead:
+            return super().weight(part, t)
+        return float(max(1, self.next_use.get(part, 2 * self.sg.size) - t) ** self.power)
+
+    def cone(self, t: int) -> dict[int, set[Part]]:
+        """The evicted values stage ``t`` needs, and theirs, recursively: node -> parts wanted."""
+        want: dict[int, set[Part]] = {}
+        stack = list(self.reads.first[t])
+        while stack:
+            part = stack.pop()
+            if part in self.resident:
+                continue
+            if not self.sg.may_run(t, part[0]):
+                raise _Evicted
+            if part[0] not in want:
+                stack.extend(self.reads.rerun[part[0]])
+            want.setdefault(part[0], set()).add(part)
+        return want
+
+    def stage(self, t: int) -> None:
+        """Remake the cone of stage ``t`` in program order, then run node ``t``; every part the
+        stage reads (resident or remade) is pinned until its last read in the stage."""
+        sg = self.sg
+        want = self.cone(t)
+        reads = {k: self.reads.rerun[k] for k in want} | {t: self.reads.first[t]}
+        left: dict[Part, int] = {}
+        for parts in reads.values():
+            for part in parts:
+                left[part] = left.get(part, 0) + 1
+        pinned = {part for part in left if part in self.resident}
+        for k in [*sorted(want), t]:
+            self.evict(sg.peak_bytes[k], pinned, t)
+            self.clock += 1
+            for part in reads[k]:
+                self.touched[part] = self.clock
+                left[part] -= 1
+                if not left[part]:
+                    pinned.discard(part)
+            if k != t:
+                self.rows[t].append(k)
+                for part in want[k]:
+                    self.keep(part, sg.parts[k][part[1]][0])
+                    pinned.add(part)
+        for q, (b, _) in enumerate(sg.parts[t]):
+            if b and self.last_reader.get((t, q), -1) > t:
+                self.keep((t, q), b)
+        self.live += sg.output_bytes[t]
+
+    def simulate(self) -> list[list[int]] | None:
+        try:
+            for t in range(self.sg.size):
+                self.stage(t)
+                need = self.needed(t)
+                for part in [p for p in self.resident if p not in need]:
+                    self.drop(part)
+        except _Evicted:
+            return None
+        return [sorted(set(r)) for r in self.rows]
+
+
+def dtr_planned_rows(sg: SolverGraph, budget_bytes: int, power: float, lookahead: bool) -> list[list[int]] | None:
+    """Checkmate's ``R`` from DTR planned ahead (None if some stage cannot fit).
+
+    DTR's simulation (:func:`dtr_rows`) with what an ahead-of-time planner knows: (1) a
+    value whose last reader has run stays resident, an eviction candidate like any other,
+    while the remake of an evicted value still reads it (freeing it at once, as the online
+    runtime does, turns the next remake into a recomputation from the graph's sources);
+    (2) a stage's evicted inputs are remade as one cone in program order, each value the
+    stage reads pinned until its last read there (DTR's recursion may evict a sibling it
+    is about to read); (3) with ``lookahead``, the score divides by the distance to the next
+    read instead of the staleness (Belady's MIN, "A study of replacement algorithms for a
+    virtual-storage computer", 1966)."""
+    return _PlannedDtr(sg, budget_bytes, power, lookahead).simulate()
 
 
 def chen_sqrtn_checkpoints(candidates: list[int]) -> set[int]:
@@ -582,6 +717,40 @@ def dtr(problem: RematProblem) -> RematSchedule:
     return _pick(problem, sg, "dtr", candidates)
 
 
+PLANNED_DTR_VARIANTS = ((0.0, False), (0.5, False), (1.0, False), (2.0, False), (0.5, True), (1.0, True), (2.0, True))
+"""(power, lookahead) of :func:`dtr_planned`: staleness to the powers 0-2, next use to the powers 0.5-2."""
+DESCENT_STEPS = 10
+""":func:`dtr_planned` tries at most this many internal budgets, evenly from the budget to the memory floor."""
+DESCENT_SHARE = 0.1
+"""... and starts no lower one once this share of the problem's time limit is spent."""
+
+
+def dtr_planned(problem: RematProblem) -> RematSchedule:
+    """DTR planned ahead (:func:`dtr_planned_rows`), every variant of :data:`PLANNED_DTR_VARIANTS`;
+    where none fits, the same at lower internal budgets, evenly spaced down to the memory floor
+    (:data:`DESCENT_STEPS`, within :data:`DESCENT_SHARE` of the time limit), until a plan fits
+    the real budget: the simulation is not monotone in its budget (evicting more early can
+    leave room for a remake later). The cheapest plan that fits wins."""
+    start = time.perf_counter()
+    sg = solver_graph(problem)
+    floor = memory_floor(problem).bytes
+    budget = problem.budget_bytes
+    first: RematSchedule | None = None
+    for step in range(DESCENT_STEPS):
+        inner = budget - step * max(0, budget - floor) // DESCENT_STEPS
+        if step and (inner == budget or time.perf_counter() - start > DESCENT_SHARE * problem.time_limit_seconds):
+            break
+        plans = [dtr_planned_rows(sg, inner, power, ahead) for power, ahead in PLANNED_DTR_VARIANTS]
+        found = _pick(problem, sg, "dtr-planned", plans) if any(plans) else None
+        if found is not None and found.feasible:
+            return found
+        first = first or found
+    if first is not None:
+        return first  # over the budget: its lowest peak (a start for the CP model's phase 1)
+    why = f"dtr-planned: the simulation cannot fit some stage within {budget} B, nor at lower internal budgets"
+    return RematSchedule("dtr-planned", budget, [], 0, 0.0, problem.plain_cost, "over-budget", message=why)
+
+
 BASELINES: dict[str, Callable[[RematProblem], RematSchedule]] = {
     "checkpoint-all": checkpoint_all,
     "chen-sqrtn": chen_sqrtn,
@@ -593,6 +762,7 @@ BASELINES: dict[str, Callable[[RematProblem], RematSchedule]] = {
     "linearized-greedy": linearized_greedy,
     "chen-drop-cheap": chen_drop_cheap,
     "dtr": dtr,
+    "dtr-planned": dtr_planned,
 }
 
 

@@ -680,6 +680,7 @@ def solve_moccasin(
     start = time.perf_counter()
     limit = problem.time_limit_seconds if time_limit_seconds is None else time_limit_seconds
     details: dict[str, object] = {"formulation": "moccasin", "phase1": None}
+    runs_per_node = runs_for_hint(sg, hint_rows, runs_per_node)
     cut_bound, cuts = _probe_cuts(problem, sg, runs_per_node, defer, limit)
     details.update(cut_bound=cut_bound, stage_cuts=cuts)
 
@@ -720,6 +721,26 @@ def solve_moccasin(
     plan.gap = status.gap
     plan.seconds = time.perf_counter() - start
     return found.mark(plan, found.at()), status, details
+
+
+HINT_RUNS = 3
+"""The most runs per node :func:`runs_for_hint` allows, so that a plan recomputing a node twice can start the search."""
+
+
+def runs_for_hint(sg: SolverGraph, hint_rows: list[list[int]] | None, runs_per_node: int) -> int:
+    """``runs_per_node``, raised to the runs the hint's plan makes of one node where that is
+    at most :data:`HINT_RUNS`: a search that starts from a plan beats one that looks for a
+    first plan (a plan near the memory floor may recompute some node twice, e.g. DTR's)."""
+    if hint_rows is None or len(hint_rows) != sg.size or runs_per_node >= HINT_RUNS:
+        return runs_per_node  # no hint, or one over another solver graph
+    events = build_events(sg, node_reads(sg))
+    runs: dict[int, int] = {}
+    for t, row in enumerate(hint_rows):
+        for k in row:
+            if (t, k) in events.index:
+                runs[k] = runs.get(k, 0) + 1
+    needed = max(runs.values(), default=1)
+    return needed if runs_per_node < needed <= HINT_RUNS else runs_per_node
 
 
 CUT_PROBE_SECONDS = 2.0
