@@ -21,7 +21,7 @@ from memplan.remat.moccasin import solve_moccasin
 from memplan.remat.portfolio import ALWAYS_RUN
 from memplan.remat.problem import RematProblem, memory_floor
 from tests.core.test_remat import fwd_bwd_chain
-from tests.core.test_remat_portfolio import TINY, all_plans, cheapest, small_graph, tiny
+from tests.core.test_remat_portfolio import TINY, all_plans, cheapest, small_graph, tiny, tiny_sweep
 
 
 @settings(max_examples=40, deadline=None)
@@ -40,11 +40,9 @@ def test_the_bound_is_below_every_plan_in_program_order(seed: int, num_ops: int,
 
 @pytest.mark.parametrize(("kind", "seed"), TINY)
 def test_the_bound_is_below_every_plan_of_the_tiny_graphs(kind: str, seed: int) -> None:
-    graph = tiny(kind, seed)
-    plans = all_plans(graph)
-    top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
-    for fraction in (1.0, 0.9, 0.8, 0.7, 0.6, 0.5):
-        problem = RematProblem(graph, int(top * fraction))
+    graph, plans, budgets = tiny_sweep(kind, seed)
+    for budget in budgets:
+        problem = RematProblem(graph, budget)
         in_order = cheapest(plans, problem.budget_bytes, in_order=True)
         if in_order is not None:
             assert drop_cover_bound(problem).cost <= in_order + 1e-9

@@ -99,6 +99,16 @@ def tiny(kind: str, seed: int) -> Graph:
     return small_graph(seed) if kind == "dag" else small_step(seed)
 
 
+SWEEP = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5)
+
+
+def tiny_sweep(kind: str, seed: int) -> tuple[Graph, list[Plan], list[int]]:
+    """A tiny graph, every plan of it, and budgets at :data:`SWEEP` of its checkpoint-all peak."""
+    graph = tiny(kind, seed)
+    top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
+    return graph, all_plans(graph), [int(top * fraction) for fraction in SWEEP]
+
+
 # --- Moccasin's CP model against brute force ------------------------------------------------
 
 
@@ -467,14 +477,11 @@ def test_phase_one_finds_a_plan_where_no_baseline_fits() -> None:
 
 @pytest.mark.parametrize(("kind", "seed"), TINY)
 def test_planned_dtr_fits_and_costs_no_less_than_brute_force(kind: str, seed: int) -> None:
-    graph = tiny(kind, seed)
-    plans = all_plans(graph)
-    top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
-    for fraction in (1.0, 0.9, 0.8, 0.7, 0.6, 0.5):
-        budget = int(top * fraction)
+    graph, plans, budgets = tiny_sweep(kind, seed)
+    for budget in budgets:
         plan = BASELINES["dtr-planned"](RematProblem(graph, budget, max_solver_nodes=10**6))
         expected = cheapest(plans, budget)
-        if fraction == 1.0:
+        if budget == budgets[0]:  # the checkpoint-all peak
             assert plan.feasible and plan.compute_cost == plan.plain_cost  # nothing to evict
         if plan.feasible:
             validate_sequence(graph, plan.steps)
