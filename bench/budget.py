@@ -111,13 +111,20 @@ def main() -> None:
         "--timeout", type=float, default=1800.0, help="Seconds per model before it is listed as not run."
     )
     parser.add_argument("--out", type=Path, default=Path("bench/results/budget.md"))
-    parser.add_argument("--append", action="store_true", help="Add the rows to those of --out's .json.")
+    parser.add_argument(
+        "--append", action="store_true", help="Add the rows to those of --out's .json (a rerun replaces its row)."
+    )
     args = parser.parse_args()
     reports = json.loads(args.out.with_suffix(".json").read_text()) if args.append else []
     for model in args.models:
-        reports.append(run_model(model, args.batch, args.budget, args.steps, args.time_limit, args.timeout))
-        reports[-1]["bench_args"] = sys.argv[1:]
-        print(row(reports[-1]), flush=True)
+        report = run_model(model, args.batch, args.budget, args.steps, args.time_limit, args.timeout)
+        report["bench_args"] = sys.argv[1:]
+        same = [i for i, r in enumerate(reports) if r.get("command") == report["command"]]
+        if same:
+            reports[same[0]] = report  # a rerun of the same command replaces its row
+        else:
+            reports.append(report)
+        print(row(report), flush=True)
         write(reports, args.out)
 
 
