@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from typer.testing import CliRunner
 
 from memplan.graph.io import write_graph_json
 from memplan.remat import solve_remat
-from memplan.remat.baselines import checkpoint_all, solver_graph
+from memplan.remat.baselines import BASELINES, checkpoint_all, solver_graph
 from memplan.remat.bounds import SCOPE, drop_cover_bound
 from memplan.remat.coarsen import identity
 from memplan.remat.moccasin import solve_moccasin
@@ -127,8 +128,6 @@ def test_cli_gap_limit_reaches_every_solver(tmp_path: Path) -> None:
 def test_hints_over_a_coarsened_cp_graph_are_over_that_graph(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """When the CP model's graph is coarsened, the quick baselines that hint it decide over
     the same groups (a graph with a prologue of placeholders: its node limit is not its size)."""
-    import time
-
     from memplan.remat import portfolio
     from tests.core.test_remat_baselines import chain_with_updates
 
@@ -143,3 +142,29 @@ def test_hints_over_a_coarsened_cp_graph_are_over_that_graph(seed: int, monkeypa
     best, lowest = run.hint_for(sg)
     for rows in (best, lowest):
         assert rows is None or len(rows) == sg.size
+
+
+@pytest.mark.parametrize("seed", [9, 11])
+def test_coarse_baselines_run_when_no_plan_is_proven(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a graph larger than the MILP's, with nothing proven after the baselines, DTR planned
+    ahead also runs over the MILP's coarsened graph; whichever plan wins validates and fits,
+    and the CP model's hint is the cheapest plan over the whole graph."""
+    from memplan.remat import portfolio
+    from memplan.remat.lower import sequence_peak_bytes, validate_sequence
+    from tests.core.test_remat_baselines import chain_with_updates
+
+    monkeypatch.setattr(portfolio, "MILP_NODES", 12)
+    graph = chain_with_updates(seed)
+    top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
+    plan = solve_remat(graph, int(top * 0.8), 5.0, workers=1, gap_limit=0.0, formulations=())
+    names = [str(a["name"]) for a in plan.details["attempts"]]  # type: ignore[union-attr]
+    assert any(name.startswith("dtr-planned over ") for name in names), names
+    if plan.feasible:
+        validate_sequence(graph, plan.steps)
+        assert plan.peak_bytes == sequence_peak_bytes(graph, plan.steps) <= int(top * 0.8)
+    problem = RematProblem(graph, int(top * 0.8), time_limit_seconds=5.0, workers=1, max_solver_nodes=10**9)
+    run = portfolio._Portfolio(problem, time.perf_counter(), 0.0, lambda _: None, ("moccasin",))
+    run.baselines()
+    best, _ = run.hint_for(run.whole)
+    fits_whole = any(a.get("feasible") for a in run.attempts if a["name"] in BASELINES)
+    assert (best is not None) == fits_whole and (best is None or len(best) == run.whole.size)
