@@ -41,7 +41,7 @@ from collections.abc import Callable, Set
 
 from memplan.errors import InfeasibleBudget
 from memplan.remat.coarsen import SolverGraph, coarsen
-from memplan.remat.lower import InvalidPlan, schedule_from_decisions
+from memplan.remat.lower import InvalidPlan, schedule_from_decisions, validate_sequence
 from memplan.remat.problem import RematProblem, RematSchedule, memory_floor
 
 Carry = Callable[[int, int], bool]
@@ -564,18 +564,31 @@ def _attempt(make: Callable[[], list[list[int]]]) -> list[list[int]] | None:
         return None
 
 
-def _pick(problem: RematProblem, sg: SolverGraph, name: str, candidates: list[list[list[int]] | None]) -> RematSchedule:
-    """Lower every candidate R; the cheapest within budget wins, else the lowest peak."""
+def _pick(
+    problem: RematProblem,
+    sg: SolverGraph,
+    name: str,
+    candidates: list[list[list[int]] | None],
+    validate: bool = False,
+) -> RematSchedule:
+    """Lower every candidate R; the cheapest within budget wins, else the lowest peak. With
+    ``validate``, a lowered sequence that fails :func:`validate_sequence` is dropped (DTR planned
+    ahead can ask for a re-run while the first instance is still resident)."""
     start = time.perf_counter()
     plans = []
     for rows_ in candidates:
         try:
             if rows_ is not None:
-                plans.append(schedule_from_decisions(problem, sg, rows_, name, "heuristic"))
+                plan = schedule_from_decisions(problem, sg, rows_, name, "heuristic")
+                if validate:
+                    validate_sequence(problem.graph, plan.steps)
+                plans.append(plan)
         except InvalidPlan:
             continue
     if not plans:
         why = f"{name}: every plan it tried needs a dropped value after that value's re-run window closed"
+        if validate:
+            why = f"{name}: every plan it tried is invalid once lowered (see validate_sequence)"
         return _not_applicable(problem, name, why)
     fits = [p for p in plans if p.peak_bytes <= problem.budget_bytes]
     best = min(fits, key=lambda p: (p.compute_cost, p.peak_bytes)) if fits else min(plans, key=lambda p: p.peak_bytes)
@@ -741,7 +754,7 @@ def dtr_planned(problem: RematProblem) -> RematSchedule:
         if step and (inner == budget or time.perf_counter() - start > DESCENT_SHARE * problem.time_limit_seconds):
             break
         plans = [dtr_planned_rows(sg, inner, power, ahead) for power, ahead in PLANNED_DTR_VARIANTS]
-        found = _pick(problem, sg, "dtr-planned", plans) if any(plans) else None
+        found = _pick(problem, sg, "dtr-planned", plans, validate=True) if any(plans) else None
         if found is not None and found.feasible:
             return found
         first = first or found
