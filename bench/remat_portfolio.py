@@ -7,7 +7,8 @@ budget and solver: the compute overhead, the status, the gap and the seconds.
 
 * MILP: ``memplan remat --strategy checkmate`` as it was before the portfolio: Checkmate's
   MILP on a graph coarsened to 200 nodes, warm-started from the best baseline there;
-* CP: ``--strategy moccasin``: the baselines, then Moccasin's CP model on the whole graph;
+* CP: ``--strategy moccasin``: the baselines, the stage cuts' relaxation (a MILP) and the CP
+  model over the nodes it re-runs, then Moccasin's CP model on the whole graph;
 * portfolio: ``--strategy portfolio`` (the default): the baselines, the CP model, the MILP;
 * CP+reorder: the CP model that may also run an op first later than program order.
 
@@ -309,10 +310,13 @@ def main() -> None:
         "layered DAGs: their durations) · status · gap to the solver's bound (relative to the whole "
         "step's compute) · seconds. Budgets are fractions of the checkpoint-all peak; '—' = no plan. "
         "MILP = Checkmate's MILP on a graph coarsened to 200 nodes (memplan before the portfolio); CP = "
-        "the baselines, then Moccasin's CP model on the whole graph; portfolio = baselines, CP model, "
-        "MILP; CP+reorder = the CP model that may also run ops first later than program order. Gaps and "
-        "'optimal' are relative to each solver's own model (CP: at most 2 runs per node; MILP: its "
-        f"coarsened graph). {_gap_rule(args.gap_limit)} Speed is time to "
+        "the baselines, the stage cuts' relaxation (its LP, then SCIP) and the CP model over the nodes "
+        "it re-runs (at most 3 runs each), then Moccasin's CP model on the whole graph; portfolio = "
+        "the same, then Checkmate's MILP; CP+reorder = the CP model that may also run ops first later "
+        "than program order. Gaps and 'optimal' are relative to each solver's own scope (CP and "
+        "portfolio: plans in program order, for the drop cover and the stage cuts, or with at most 2 "
+        f"runs per node, for the CP search; MILP: its coarsened graph). {_gap_rule(args.gap_limit)} "
+        "Speed is time to "
         "quality: the last column gives the MILP's time to find its final plan (its last improving "
         "solution, or the end of its baselines when it kept a baseline's plan) and the portfolio's time to "
         "a plan at least as cheap (a baseline's: when it returned; the CP model's or the MILP's: its last "

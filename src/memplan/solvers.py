@@ -1,7 +1,9 @@
-"""The one place that talks to OR-Tools CP-SAT: time limit, status, bound, gap, progress.
+"""The one place that talks to OR-Tools' solvers: time limit, status, bound, gap, progress.
 
 Every exact solver in memplan builds a ``cp_model.CpModel`` and calls :func:`solve_cp_sat`,
-so status and gap are reported the same way everywhere.
+so status and gap are reported the same way everywhere. A covering model whose bound is
+what matters (the remat stage cuts) may instead be solved as a MILP by :func:`solve_as_mip`:
+OR-Tools' bundled SCIP, an LP-based branch and bound with cutting planes, in the process.
 """
 
 from __future__ import annotations
@@ -184,3 +186,139 @@ def min_cut_value(num_nodes: int, tails: Any, heads: Any, capacities: Any, sourc
     if num_nodes > 0 and flow.solve(source, sink) != flow.OPTIMAL:
         raise RuntimeError("max flow did not solve (capacities overflow?)")
     return int(flow.optimal_flow())
+
+
+MIP_BACKEND = "SCIP"
+"""OR-Tools' bundled MILP solver used by :func:`solve_as_mip` (Apache 2.0, no licence needed)."""
+LP_BACKENDS = ("HIGHS", "GLOP")
+"""OR-Tools' bundled LP solvers for ``solve_as_mip(relax=True)``, the first one available:
+HiGHS's simplex solves the stage cuts' LP of MobileNet-v2 in 0.3 s, GLOP's in 2.2 s."""
+BOUND_MARGIN = 1e-7
+"""A MILP or LP solver's bound is a floating-point number within its tolerances: it is
+lowered by this fraction, so a bound it reports never exceeds what exact arithmetic proves."""
+
+
+def solve_as_mip(
+    model: cp_model.CpModel, time_limit_seconds: float, *, backend: str = MIP_BACKEND, relax: bool = False
+) -> tuple[SolveStatus, list[float] | None]:
+    """Solve a CP-SAT ``model`` of 0/1 and bounded integer variables, linear constraints (not
+    enforced), ``bool_or`` and enforced ``bool_and`` (implications) and a linear objective to
+    minimise, as a MILP with ``backend`` (OR-Tools' ``pywraplp``), or with ``relax`` its LP
+    relaxation (every variable continuous within its bounds) with :data:`LP_BACKENDS`.
+
+    On covering models CP-SAT's bound moves only as its search proves things, while an LP
+    relaxation, and a branch and bound with cutting planes over it, bound them at once (the
+    stage cuts of :mod:`memplan.remat.moccasin` on a random 250-node DAG at 0.8 of its peak:
+    8.7% of compute from the LP in 0.6 s, where CP-SAT's bound stays at 0 for 5 s). The bound
+    is lowered by :data:`BOUND_MARGIN`; the status is never "infeasible" (floating point
+    proves nothing exactly): a model the backend finds infeasible, or one it cannot take, is
+    "unknown". Returns the status (objective and bound in the model's units, offset included;
+    with ``relax``, both the LP's optimum) and the values of the best solution."""
+    from ortools.linear_solver import pywraplp
+
+    stop = _STOP.get()
+    names = LP_BACKENDS if relax else (backend,)
+    solver = next((s for s in map(pywraplp.Solver.CreateSolver, names) if s is not None), None)
+    if solver is None or (stop is not None and stop.is_set()):
+        return SolveStatus("unknown", None, None, None, 0.0), None
+    start = time.perf_counter()
+    xs = _mip_variables(solver, model.proto, relax)
+    if not all(_add_mip_constraint(solver, constraint, xs) for constraint in model.proto.constraints):
+        return SolveStatus("unknown", None, None, None, time.perf_counter() - start), None
+    objective = model.proto.objective
+    goal = solver.Objective()
+    offset = float(objective.offset)
+    for ref, a in zip(objective.vars, objective.coeffs, strict=True):
+        coefficient, constant = _literal_terms(ref, a)
+        goal.SetCoefficient(xs[_var(ref)], goal.GetCoefficient(xs[_var(ref)]) + coefficient)
+        offset += constant
+    goal.SetMinimization()
+    solver.SetTimeLimit(max(1, int(1000 * (time_limit_seconds - (time.perf_counter() - start)))))
+    solver.SuppressOutput()
+    with _quiet_stdout():  # HiGHS prints its banner whatever the output settings
+        code = solver.Solve()
+    seconds = time.perf_counter() - start
+    if code not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        return SolveStatus("unknown", None, None, None, seconds), None
+    value = goal.Value() + offset
+    bound = value if relax else goal.BestBound() + offset
+    bound -= BOUND_MARGIN * max(1.0, abs(bound))
+    status = "optimal" if code == pywraplp.Solver.OPTIMAL else "feasible"
+    return SolveStatus(status, value, min(value, bound), _gap(value, min(value, bound)), seconds), [
+        x.solution_value() for x in xs
+    ]
+
+
+def _var(ref: int) -> int:
+    return ref if ref >= 0 else -ref - 1
+
+
+def _literal_terms(ref: int, coefficient: int) -> tuple[float, float]:
+    """``coefficient * literal(ref)`` as (coefficient on the variable, constant): a negative
+    ref is ``1 - x``."""
+    return (float(coefficient), 0.0) if ref >= 0 else (-float(coefficient), float(coefficient))
+
+
+def _mip_variables(solver: Any, proto: Any, relax: bool) -> list[Any]:
+    domains = [list(v.domain) for v in proto.variables]  # (the proto's fields take no negative index)
+    make = solver.NumVar if relax else solver.IntVar
+    return [make(float(d[0]), float(d[-1]), f"x{i}") for i, d in enumerate(domains)]
+
+
+def _add_mip_constraint(solver: Any, constraint: Any, xs: list[Any]) -> bool:
+    """Post one CP-SAT constraint as linear rows; False for a kind :func:`solve_as_mip` does not
+    take, or a constant row that fails (an empty clause)."""
+    enforcement = list(constraint.enforcement_literal)
+    if constraint.has_linear() and not enforcement:
+        domain = list(constraint.linear.domain)
+        if len(domain) != 2:
+            return False
+        low = domain[0] if domain[0] > cp_model.INT_MIN else -solver.infinity()
+        high = domain[1] if domain[1] < cp_model.INT_MAX else solver.infinity()
+        return _row(solver, xs, list(zip(constraint.linear.vars, constraint.linear.coeffs, strict=True)), low, high)
+    # "unmet" enforcement: sum(1 - e), 0 exactly when every enforcement literal holds
+    unmet = [(-ref - 1, 1) for ref in enforcement]
+    if constraint.has_bool_or():
+        return _row(solver, xs, [(ref, 1) for ref in constraint.bool_or.literals] + unmet, 1, solver.infinity())
+    if constraint.has_bool_and():
+        rows = ([(ref, 1), *unmet] for ref in constraint.bool_and.literals)
+        return all(_row(solver, xs, terms, 1, solver.infinity()) for terms in rows)
+    return False
+
+
+def _row(solver: Any, xs: list[Any], terms: list[tuple[int, int]], low: float, high: float) -> bool:
+    """``low <= sum a * literal(ref) <= high`` over ``terms`` (ref, a), by coefficients."""
+    coefficients: dict[int, float] = {}
+    constant = 0.0
+    for ref, a in terms:
+        on_var, shift = _literal_terms(ref, a)
+        coefficients[_var(ref)] = coefficients.get(_var(ref), 0.0) + on_var
+        constant += shift
+    if not any(coefficients.values()):
+        return low <= constant <= high
+    row = solver.Constraint(low - constant, high - constant)
+    for var, a in coefficients.items():
+        if a:
+            row.SetCoefficient(xs[var], a)
+    return True
+
+
+@contextlib.contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """File descriptor 1 sent to /dev/null (what a C++ library prints bypasses ``sys.stdout``)."""
+    import os
+    import sys
+
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError):
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)

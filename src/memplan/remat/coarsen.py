@@ -13,7 +13,13 @@ How groups are formed:
 1. placeholders whose outputs are all persistent form group 0 (they never need deciding);
 2. every other op starts as one unit; an op whose outputs are all 0 bytes (views, control
    tokens, in-place ops) joins the previous unit if both may be re-run or both may not;
-   a re-runnable 0-byte op whose inputs nobody can re-create is treated as run-once;
+   a re-runnable 0-byte op whose inputs nobody can re-create is treated as run-once. A
+   re-runnable in-place op that rewrites a tensor made outside the previous unit (a
+   ResNet's residual ``add_`` into the main branch's batch norm, right after the shortcut's)
+   stays a unit of its own and is never merged into the unit before it: the lowering
+   re-applies it after each recompute of the tensor it rewrites, and then it reads its
+   other inputs again, so they must be outputs the solver keeps or re-makes, not a unit's
+   temporaries;
 3. adjacent units of the same kind (re-runnable or not, forward or backward) are merged,
    smallest produced bytes first, until at most ``max_nodes`` remain.
 
@@ -193,19 +199,41 @@ def _fixed_ops(graph: Graph, limits: list[int]) -> list[bool]:
 def _initial_units(graph: Graph, ops: list[int], fixed: list[bool], loss_op: int | None) -> list[list[int]]:
     units: list[list[int]] = []
     for v in ops:
-        if units and _zero_bytes(graph, v) and fixed[units[-1][-1]] == fixed[v] and units[-1][-1] != loss_op:
+        if (
+            units
+            and _zero_bytes(graph, v)
+            and fixed[units[-1][-1]] == fixed[v]
+            and units[-1][-1] != loss_op
+            and not _rewrites_from_outside(graph, v, units[-1], fixed)
+        ):
             units[-1].append(v)
         else:
             units.append([v])
     return units
 
 
+def _rewrites_from_outside(graph: Graph, v: int, unit: list[int], fixed: list[bool]) -> bool:
+    """Op ``v`` is a re-runnable in-place op that rewrites a tensor made outside ``unit``."""
+    members = set(unit)
+    return not fixed[v] and any(graph.producer[t] not in members for t in graph.ops[v].mutates)
+
+
 def _merge_units(
-    graph: Graph, units: list[list[int]], fixed: list[bool], loss_op: int | None, max_nodes: int
+    graph: Graph,
+    units: list[list[int]],
+    fixed: list[bool],
+    loss_op: int | None,
+    max_nodes: int,
 ) -> list[list[int]]:
-    """Merge adjacent compatible units, smallest combined produced bytes first."""
+    """Merge adjacent compatible units, smallest combined produced bytes first; a unit that
+    starts with an in-place op rewriting a tensor made before the unit ahead of it is never
+    merged into that unit (see :func:`coarsen`)."""
     produced = [sum(graph.tensors[t].size_bytes for v in u for t in graph.ops[v].outputs) for u in units]
     forward = _forward_flags(units, loss_op)
+    apart = [
+        i > 0 and _zero_bytes(graph, u[0]) and _rewrites_from_outside(graph, u[0], units[i - 1], fixed)
+        for i, u in enumerate(units)
+    ]
     alive = [True] * len(units)
     nxt = [*range(1, len(units)), -1]
     version = [0] * len(units)
@@ -213,7 +241,7 @@ def _merge_units(
 
     def push(a: int) -> None:
         b = nxt[a]
-        if b >= 0 and fixed[units[a][0]] == fixed[units[b][0]] and forward[a] == forward[b]:
+        if b >= 0 and fixed[units[a][0]] == fixed[units[b][0]] and forward[a] == forward[b] and not apart[b]:
             heapq.heappush(heap, (produced[a] + produced[b], a, version[a], version[b]))
 
     for a in range(len(units)):

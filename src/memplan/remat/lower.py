@@ -9,9 +9,9 @@ node ``i`` with ``R[t, i] = 1`` in node order) followed by deallocation code mot
 each tensor instance is freed right after its last read, before its producer runs again.
 ``S`` is only checked, never needed: with code motion a value is kept exactly as long as a
 later step reads it, which is the least ``S`` consistent with ``R`` (4.6). Two further
-passes, both sound: runs whose outputs nobody reads are dropped (4.6's "spurious
-evaluation"), and a 0-byte view whose base has been recomputed is re-run before it is read
-(its old handle would point at freed storage). An in-place follower (``relu_`` after a
+passes, both sound, in turn until nothing changes: a 0-byte view whose base has been
+recomputed is re-run before it is read (its old handle would point at freed storage), and
+runs whose outputs nobody reads are dropped (4.6's "spurious evaluation"). An in-place follower (``relu_`` after a
 batch norm, see :mod:`memplan.remat.problem`) is treated like such a view: the decisions
 never re-run it on their own (that would apply it twice); it is re-run once after each
 recompute of the tensor it rewrites, before the first read.
@@ -62,9 +62,28 @@ def lower(sg: SolverGraph, R: Decisions, S: Decisions | None = None) -> list[Ste
     graph = sg.graph
     runs = [v for row in r_rows for k in row for v in sg.groups[k]]
     runs = _drop_inplace_reruns(graph, runs)
-    runs = _prune_unread_runs(graph, runs)
-    runs = _refresh_views(graph, runs)
-    return insert_frees(graph, runs)
+    return insert_frees(graph, _refresh_and_prune(graph, runs))
+
+
+def _refresh_and_prune(graph: Graph, runs: list[int]) -> list[int]:
+    """Re-run the views that need it (:func:`_refresh_views`), then drop the runs nobody reads
+    (:func:`_kept_runs`), until nothing more is dropped.
+
+    Refreshing first matters: an in-place follower applied again (ResNet's residual ``add_``
+    after its batch norm is recomputed) reads its other inputs again, so the recompute that
+    made the residual anew is read; pruned before the refresh it would look unread, and the
+    refresh would read the first instance instead, kept alive all along, over the budget the
+    solvers planned. A dropped recompute can make a refresh needless, so the refreshes are
+    made again from the runs that are left."""
+    while True:
+        refreshed, inserted = _refresh_views(graph, runs)
+        keep = _kept_runs(graph, refreshed, inserted)
+        if all(keep):
+            return refreshed
+        left = [v for v, kept, new in zip(refreshed, keep, inserted, strict=True) if kept and not new]
+        if len(left) == len(runs):  # only refreshes nobody reads were dropped
+            return [v for v, kept in zip(refreshed, keep, strict=True) if kept]
+        runs = left
 
 
 def _check_decisions(sg: SolverGraph, r_rows: list[list[int]], s_rows: list[list[int]] | None) -> None:
@@ -103,22 +122,28 @@ def _instances_read(graph: Graph, runs: list[int]) -> list[bool]:
     return used
 
 
-def _prune_unread_runs(graph: Graph, runs: list[int]) -> list[int]:
-    """Drop runs nobody reads (to a fixpoint); every op keeps at least its first run."""
+def _kept_runs(graph: Graph, runs: list[int], inserted: list[bool] | None = None) -> list[bool]:
+    """Which runs to keep when those nobody reads are dropped (to a fixpoint); every op keeps
+    at least its first run, which goes only when a later run of the op that is not one of the
+    ``inserted`` refreshes (they are made again each round) is read instead."""
     limits = rerun_limits(graph)
+    index = list(range(len(runs)))
+    new = inserted or [False] * len(runs)
     while True:
-        used = _instances_read(graph, runs)
-        some_run_used = {v for v, u in zip(runs, used, strict=True) if u}
+        current = [runs[i] for i in index]
+        used = _instances_read(graph, current)
+        some_run_used = {v for i, v, u in zip(index, current, used, strict=True) if u and not new[i]}
         first_seen: set[int] = set()
         keep = []
-        for pos, v in enumerate(runs):
+        for pos, v in enumerate(current):
             first = v not in first_seen
             first_seen.add(v)
             removable = limits[v] > v and not used[pos]
             keep.append(not removable or (first and v not in some_run_used))
         if all(keep):
-            return runs
-        runs = [v for v, k in zip(runs, keep, strict=True) if k]
+            kept = set(index)
+            return [i in kept for i in range(len(runs))]
+        index = [i for i, k in zip(index, keep, strict=True) if k]
 
 
 def _drop_inplace_reruns(graph: Graph, runs: list[int]) -> list[int]:
@@ -172,20 +197,23 @@ def _sources(graph: Graph, v: int) -> tuple[int, ...]:
     return op.mutates if op.mutates else op.inputs
 
 
-def _refresh_views(graph: Graph, runs: list[int]) -> list[int]:
-    """Re-run a 0-byte view before a read if an input it was made from has been re-created."""
+def _refresh_views(graph: Graph, runs: list[int]) -> tuple[list[int], list[bool]]:
+    """Re-run a 0-byte view before a read if an input it was made from has been re-created;
+    the runs, and which of them were inserted here."""
     limits = rerun_limits(graph)
     view, sources = _facts(graph).view, _facts(graph).sources
     serial: dict[int, int] = {}
     made_from: dict[int, tuple[int, ...]] = {}
     ran: set[int] = set()
     out: list[int] = []
+    inserted: list[bool] = []
 
     def inputs_now(v: int) -> tuple[int, ...]:
         return tuple(serial.get(t, -1) for t in sources[v])
 
-    def emit(v: int) -> None:
+    def emit(v: int, new: bool = False) -> None:
         out.append(v)
+        inserted.append(new)
         ran.add(v)
         is_view = view[v]
         for t in graph.ops[v].outputs:
@@ -201,14 +229,14 @@ def _refresh_views(graph: Graph, runs: list[int]) -> list[int]:
             raise InvalidPlan(f"view {graph.ops[p].name!r} must be re-made but may not run again")
         for u in graph.ops[p].inputs:
             refresh(u)
-        emit(p)
+        emit(p, new=True)
 
     for v in runs:
         for t in graph.ops[v].inputs:
             if t in made_from:
                 refresh(t)
         emit(v)
-    return out
+    return out, inserted
 
 
 def insert_frees(graph: Graph, runs: Sequence[int]) -> list[Step]:

@@ -379,6 +379,9 @@ def _infeasible_message(
     lowest = min([reference, *reached])
     floor = int(schedule.details.get("floor_bytes") or 0)
     proof = "no plan exists (proven)" if schedule.status == "infeasible" else "no plan found in the time limit"
+    runs = schedule.details.get("none_with_runs")
+    if schedule.status != "infeasible" and runs:
+        proof += f" (none that runs each op at most {runs} times, proven)"
     placing = 0 if user_bytes is None else max(0, user_bytes - budget_bytes)
     head = f"memory_budget {format_bytes(budget_bytes)} is below what this step can reach: {proof}"
     if placing:
