@@ -8,7 +8,8 @@ budget and solver: the compute overhead, the status, the gap and the seconds.
 * MILP: ``memplan remat --strategy checkmate`` as it was before the portfolio: Checkmate's
   MILP on a graph coarsened to 200 nodes, warm-started from the best baseline there;
 * CP: ``--strategy moccasin``: the baselines, the stage cuts' relaxation (a MILP) and the CP
-  model over the nodes it re-runs, then Moccasin's CP model on the whole graph;
+  model over the nodes it re-runs, a large neighbourhood search on large models, then
+  Moccasin's CP model on the whole graph;
 * portfolio: ``--strategy portfolio`` (the default): the baselines, the CP model, the MILP;
 * CP+reorder: the CP model that may also run an op first later than program order.
 
@@ -311,7 +312,9 @@ def main() -> None:
         "step's compute) · seconds. Budgets are fractions of the checkpoint-all peak; '—' = no plan. "
         "MILP = Checkmate's MILP on a graph coarsened to 200 nodes (memplan before the portfolio); CP = "
         "the baselines, the stage cuts' relaxation (its LP, then SCIP) and the CP model over the nodes "
-        "it re-runs (at most 3 runs each), then Moccasin's CP model on the whole graph; portfolio = "
+        "it re-runs (at most 3 runs each), where the whole CP model has 20k events or more a large "
+        "neighbourhood search from the best plan (the CP model over a few freed nodes at a time, the "
+        "other nodes' runs kept), then Moccasin's CP model on the whole graph; portfolio = "
         "the same, then Checkmate's MILP; CP+reorder = the CP model that may also run ops first later "
         "than program order. Gaps and 'optimal' are relative to each solver's own scope (CP and "
         "portfolio: plans in program order, for the drop cover and the stage cuts, or with at most 2 "

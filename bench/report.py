@@ -31,6 +31,7 @@ ORDER = [
     "remat_portfolio_subset",
     "remat_portfolio_rest",
     "remat_portfolio_gap1",
+    "remat_portfolio_n250_60s",
     "budget",
     "streams",
     "ddp",

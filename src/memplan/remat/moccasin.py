@@ -520,6 +520,48 @@ def solve_restricted(
     )
 
 
+def rerun_nodes(rows: list[list[int]]) -> set[int]:
+    """The nodes a plan's ``R`` runs again (in a stage after their own)."""
+    return {k for t, row in enumerate(rows) for k in row if k != t}
+
+
+def most_runs(rows: list[list[int]]) -> int:
+    """The most runs a plan's ``R`` makes of one node."""
+    runs: dict[int, int] = {}
+    for row in rows:
+        for k in row:
+            runs[k] = runs.get(k, 0) + 1
+    return max(runs.values(), default=1)
+
+
+def solve_neighbourhood(
+    problem: RematProblem,
+    sg: SolverGraph,
+    rows: list[list[int]],
+    free: set[int],
+    runs_per_node: int,
+    time_limit_seconds: float,
+) -> tuple[RematSchedule | None, SolveStatus, dict[str, object]]:
+    """One step of a large neighbourhood search (Shaw, CP 1998) over the CP model: the plan
+    ``rows`` (Checkmate's ``R`` over ``sg``) with only the runs of ``free`` open to change.
+    Nodes that ``rows`` re-runs keep their runs unless free (:func:`fix_runs`), the others
+    run once unless free (:func:`restricted_graph`): a model a fraction of the whole one's
+    size, hinted with ``rows``, so its first solution is that plan. Each node may run
+    ``runs_per_node`` times, or as often as ``rows`` runs one. The status and bound speak
+    only for the neighbourhood, never for the problem."""
+    again = rerun_nodes(rows)
+    return solve_moccasin(
+        problem,
+        restricted_graph(sg, again | free),
+        rows,
+        max(runs_per_node, most_runs(rows)),
+        time_limit_seconds,
+        probe_cuts=False,
+        fallback=False,
+        fixed=again - free,
+    )
+
+
 def _movable_closure(events: Events, reads: Reads, v: int, crossing: list[Part]) -> list[int]:
     """Nodes before ``v`` that may run again after ``v``'s first run and whose outputs matter
     there: producers of parts crossing ``v``, and the producers of what their re-runs read."""
@@ -697,19 +739,29 @@ def rows_from_solution(cm: CpModel, solver: cp_model.CpSolver, n: int) -> list[l
     return [sorted(r) for r in rows]
 
 
-def add_hints(cm: CpModel, sg: SolverGraph, rows: list[list[int]]) -> bool:
-    """Hint the search with a plan's ``R``, if no node runs more than the model allows; every
-    retention ends at its run's last read (the least ``S`` for ``R``, Checkmate 4.6). A
-    re-run that is no event of the model (nothing can read it then) is left out: it could
-    only cost memory. False (no hint) if a run breaks a window."""
+def _placed_runs(cm: CpModel, sg: SolverGraph, rows: list[list[int]]) -> list[list[int]] | None:
+    """The events of each node's runs in a plan's ``R`` (a re-run that is no event of the
+    model is left out: nothing can read it then); None if a run breaks a window or a node
+    runs more often than the model allows."""
     placed: list[list[int]] = [[] for _ in range(sg.size)]
     for t, row in enumerate(rows):
         for k in row:
             if (t, k) in cm.events.index:
                 placed[k].append(cm.events.index[t, k])
             elif not sg.may_run(t, k):
-                return False
+                return None
     if any(len(p) > len(cm.runs[k]) for k, p in enumerate(placed)):
+        return None
+    return placed
+
+
+def add_hints(cm: CpModel, sg: SolverGraph, rows: list[list[int]]) -> bool:
+    """Hint the search with a plan's ``R``, if no node runs more than the model allows; every
+    retention ends at its run's last read (the least ``S`` for ``R``, Checkmate 4.6). A
+    re-run that is no event of the model (nothing can read it then) is left out: it could
+    only cost memory. False (no hint) if a run breaks a window."""
+    placed = _placed_runs(cm, sg, rows)
+    if placed is None:
         return False
     ends = _least_retention(sg, cm.reads, placed)
     if ends is None:
@@ -723,6 +775,23 @@ def add_hints(cm: CpModel, sg: SolverGraph, rows: list[list[int]]) -> bool:
                 cm.model.add_hint(run.start, placed[k][r] if used else _domain_min(run.start))
             for q, end in run.ends.items():
                 cm.model.add_hint(end, ends[k][r][q] if used else _domain_min(end))
+    return True
+
+
+def fix_runs(cm: CpModel, sg: SolverGraph, rows: list[list[int]], nodes: set[int]) -> bool:
+    """Fix the runs of ``nodes`` to those of a plan's ``R`` (each present run at its event,
+    the rest absent): the other nodes are the neighbourhood a search may change. Retention
+    ends stay free. False (nothing fixed) if the plan does not fit the model."""
+    placed = _placed_runs(cm, sg, rows)
+    if placed is None:
+        return False
+    for k in nodes:
+        for r, run in enumerate(cm.runs[k]):
+            used = r < len(placed[k])
+            if not isinstance(run.present, int):
+                cm.model.add(run.present == int(used))
+            if used and not isinstance(run.start, int):
+                cm.model.add(run.start == placed[k][r])
     return True
 
 
@@ -758,6 +827,7 @@ def solve_moccasin(
     probe_cuts: bool = True,
     known_cut_bound: float | None = None,
     fallback: bool = True,
+    fixed: set[int] | None = None,
 ) -> tuple[RematSchedule | None, SolveStatus, dict[str, object]]:
     """Solve Moccasin over ``sg``: the lowered plan (None without one), the solver's status
     (objective and bound in the problem's cost units) and details for the result. The search
@@ -784,7 +854,8 @@ def solve_moccasin(
     stage cuts' bound found before, e.g. by :func:`stage_cut_relaxation`) counts instead, by
     the same rule. ``objective_floor``: a bound known before the search (see
     :func:`build_model`), so that the gap limit can stop it. ``fallback=False``: no phase 1,
-    the direct search has the whole time."""
+    the direct search has the whole time. ``fixed``: nodes whose runs stay those of
+    ``hint_rows`` (:func:`fix_runs`; see :func:`solve_neighbourhood`)."""
     start = time.perf_counter()
     limit = problem.time_limit_seconds if time_limit_seconds is None else time_limit_seconds
     details: dict[str, object] = {"formulation": "moccasin", "phase1": None}
@@ -804,6 +875,8 @@ def solve_moccasin(
 
     cm = model()
     hinted = add_hints(cm, sg, hint_rows) if hint_rows is not None else False
+    if hinted and fixed and hint_rows is not None:
+        fix_runs(cm, sg, hint_rows, fixed)
     # CP-SAT's presolve spends tens of seconds on the larger models for little gain
     parameters: dict[str, object] = {"cp_model_presolve": False, "relative_gap_limit": gap_limit}
     # without a plan to start from, give up on the direct search after a while and look for a

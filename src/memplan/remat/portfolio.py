@@ -14,10 +14,13 @@ The portfolio runs, within one time limit, and keeps the cheapest plan that fits
    then the CP model over only the nodes its best solution re-runs
    (:func:`memplan.remat.moccasin.solve_restricted`, widened while no plan fits): a small
    model that finds in a second what the whole one misses for minutes;
-4. **Moccasin's CP model** (:mod:`memplan.remat.moccasin`) on the whole graph, hinted with the
+4. a **large neighbourhood search** (:mod:`memplan.remat.lns`) from the cheapest plan over
+   the whole graph, on graphs whose whole CP model is too big to search well: the CP model
+   over a few freed nodes at a time, every other node's runs kept;
+5. **Moccasin's CP model** (:mod:`memplan.remat.moccasin`) on the whole graph, hinted with the
    best plan so far. Only when the whole model is too big for the time limit is the graph
    coarsened first, and the result says so (``details["nodes_before"]``/``["nodes_after"]``);
-5. **Checkmate's MILP** (:mod:`memplan.remat.milp`), warm-started from the best plan, in the
+6. **Checkmate's MILP** (:mod:`memplan.remat.milp`), warm-started from the best plan, in the
    time the CP model leaves when it has not closed its gap: a share of the time on graphs of
    at most :data:`MILP_NODES` nodes (there the MILP decides over the whole graph, with any
    number of recomputations, and can prove what the CP model cannot); on larger graphs only
@@ -48,6 +51,7 @@ from memplan.remat.baselines import BASELINES
 from memplan.remat.bounds import SCOPE as COVER_SCOPE
 from memplan.remat.bounds import drop_cover_bound
 from memplan.remat.coarsen import SolverGraph, coarsen
+from memplan.remat.lns import improve
 from memplan.remat.lower import InvalidPlan, validate_sequence
 from memplan.remat.milp import solve_checkmate
 from memplan.remat.moccasin import (
@@ -118,6 +122,11 @@ over more it is hardly smaller than the whole model, which has the stage cuts to
 100-node DAG at 0.9: 68 of 99 nodes, no plan in 7 s; the whole model: optimal in 0.5 s)."""
 RESTRICTED_RUNS = 3
 """Runs per node in the restricted CP model: it is small, and a node near the memory floor may need a third run."""
+LNS_MIN_EVENTS = 20_000
+"""The neighbourhood search runs on graphs whose whole CP model has at least this many events
+(the 250-node DAG: 31k; below, e.g. the 100-node DAG's 5k, the whole model proves optima in seconds)."""
+LNS_SHARE = 0.75
+"""The neighbourhood search's share of the time left; the whole CP model, hinted with its plan, gets the rest."""
 CUT_SCOPE = "plans whose first runs keep program order (stage cuts, solved as a MILP)"
 """What the stage cuts' relaxation speaks for."""
 
@@ -191,6 +200,8 @@ def solve_remat(
     run.baselines()
     if "moccasin" in formulations and not reorder and not run.done():
         run.relaxation(runs_per_node)
+    if "moccasin" in formulations and not reorder and not run.done():
+        run.neighbourhoods(runs_per_node)
     if "moccasin" in formulations and not run.done():
         run.moccasin(runs_per_node)
     if "checkmate" in formulations and not run.done() and run.left() >= MILP_MIN_SECONDS:
@@ -368,6 +379,30 @@ class _Portfolio:
             if wider == nodes:
                 return
             nodes = wider
+
+    def neighbourhoods(self, runs_per_node: int) -> None:
+        """Large neighbourhood search (:func:`memplan.remat.lns.improve`) from the cheapest plan
+        over the whole graph, for :data:`LNS_SHARE` of the time left, on graphs whose whole CP
+        model has at least :data:`LNS_MIN_EVENTS` events (smaller ones the whole model
+        searches better, and proves)."""
+        start = self.best_whole
+        if start is None or _events(self.whole) < LNS_MIN_EVENTS:
+            return
+        seconds = LNS_SHARE * self.left() - MARGIN_SECONDS
+        if seconds < 1.0:
+            return
+        self.report(f"neighbourhood search on {self.whole.size} nodes ({seconds:.0f} s)")
+        found = improve(
+            self.problem_for(self.whole),
+            self.whole,
+            start,
+            seconds,
+            max(runs_per_node, RESTRICTED_RUNS),
+            stop=lambda _: self.proven(),
+            on_better=lambda plan: self.offer(plan, "neighbourhood search", self.whole),
+        )
+        attempt = _attempt("neighbourhood search", found.plan, found.seconds, self.whole.size)
+        self.attempts.append({**attempt, "rounds": found.rounds, "improvements": found.improvements})
 
     def moccasin(self, runs_per_node: int) -> None:
         sg = self.cp_graph()

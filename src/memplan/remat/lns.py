@@ -1,0 +1,128 @@
+"""Large neighbourhood search over the CP model: improve a plan a few nodes at a time.
+
+On graphs whose whole CP model is too big to search (a random 250-node layered DAG: 31k
+events; at 0.7 of its peak the model finds no plan in 280 s), the portfolio's plans come
+from the baselines and from the CP model over the nodes the stage cuts re-run. Large
+neighbourhood search (Shaw, CP 1998; the paper's "destroy and repair") improves such a
+plan: free the runs of a few nodes, keep every other node's runs as the plan has them, and
+let the CP model (:func:`memplan.remat.moccasin.solve_neighbourhood`) find the cheapest
+plan in that neighbourhood, a model a fraction of the whole one's size that it often
+solves to optimality in a tenth of a second. Repeat from the better plan.
+
+Neighbourhoods (each a set of re-runnable nodes to free), in turn:
+
+* **crossing**: nodes whose outputs are resident across one stage (made before it, read
+  by a first run after it; the stage cuts' ``crossing`` set), where re-running one of them
+  makes room, and some of the nodes the plan re-runs;
+* **re-runs**: half the nodes the plan re-runs, half chosen at random;
+* **window**: the nodes of a run of consecutive stages and those re-run in those stages.
+
+The size adapts (the usual adaptive LNS rule): it grows while neighbourhoods are solved to
+optimality with nothing better, and shrinks when a search runs out of time. Choices come
+from a seeded generator, so a run depends only on the solver's timing.
+
+Every plan found is a plan of the CP model, lowered and measured by the one estimator like
+any other (the portfolio validates it again); a neighbourhood's status and bound say
+nothing about the problem, so the search never proves anything: the portfolio's bound
+comes from elsewhere.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from memplan.remat.coarsen import SolverGraph
+from memplan.remat.moccasin import build_events, node_reads, rerun_nodes, solve_neighbourhood
+from memplan.remat.problem import RematProblem, RematSchedule
+
+START_SIZE = 30
+"""Free nodes in the first neighbourhood (the 250-node DAG: solved in 0.1-2 s)."""
+MIN_SIZE = 10
+"""The neighbourhoods never shrink below this many nodes."""
+GROWTH = 1.25
+"""Factor by which the size grows (nothing better, proven) or shrinks (out of time)."""
+ROUND_SECONDS = 2.0
+"""Time for one neighbourhood: most are solved or improved well within it."""
+SEED = 0
+KINDS = ("crossing", "re-runs", "window")
+
+
+@dataclass
+class LnsResult:
+    """The best plan found (None if no neighbourhood beat the start) and what the search did."""
+
+    plan: RematSchedule | None
+    rounds: int
+    improvements: int
+    seconds: float
+
+
+class Neighbourhoods:
+    """Chooses the nodes to free around a plan (see the module docstring)."""
+
+    def __init__(self, sg: SolverGraph, seed: int = SEED) -> None:
+        reads = node_reads(sg)
+        events = build_events(sg, reads)
+        self.size = sg.size
+        self.movable = [k for k in range(sg.size) if events.recompute[k]]
+        last_read: dict[int, int] = {}
+        for j in range(sg.size):
+            for p, _ in reads.first[j]:
+                last_read[p] = max(last_read.get(p, j), j)
+        movable = set(self.movable)
+        self.crossing = [
+            sorted(p for p, last in last_read.items() if p < v < last and p in movable) for v in range(sg.size)
+        ]
+        self.rng = random.Random(seed)
+
+    def pick(self, kind: str, rows: list[list[int]], size: int) -> set[int]:
+        """``size`` or so re-runnable nodes to free around the plan ``rows`` (Checkmate's ``R``)."""
+        again = sorted(rerun_nodes(rows))
+        if kind == "crossing":
+            crossing = self.crossing[self.rng.randrange(self.size)]
+            return self._sample(crossing, 2 * size // 3) | self._sample(again, size // 3)
+        if kind == "re-runs":
+            return self._sample(again, size // 2) | self._sample(self.movable, size - size // 2)
+        start = self.rng.randrange(self.size)
+        stages = range(max(0, start - size // 2), min(self.size, start + size // 2))
+        window = {k for k in self.movable if k in stages}
+        return window | {k for t in stages for k in rows[t] if k != t}
+
+    def _sample(self, nodes: list[int], count: int) -> set[int]:
+        return set(self.rng.sample(nodes, min(len(nodes), count)))
+
+
+def improve(
+    problem: RematProblem,
+    sg: SolverGraph,
+    plan: RematSchedule,
+    seconds: float,
+    runs_per_node: int,
+    stop: Callable[[RematSchedule], bool] = lambda _: False,
+    on_better: Callable[[RematSchedule], None] = lambda _: None,
+) -> LnsResult:
+    """Large neighbourhood search from ``plan`` (its ``details["rows"]``, over ``sg``) for
+    ``seconds``: each better plan goes to ``on_better``; the search ends early once
+    ``stop(best plan)`` holds (e.g. it is proven within the gap limit of a bound)."""
+    start = time.perf_counter()
+    chooser = Neighbourhoods(sg)
+    best, size, rounds, improvements = plan, START_SIZE, 0, 0
+    while not stop(best):
+        left = seconds - (time.perf_counter() - start)
+        if left < 0.2:
+            break
+        rows: list[list[int]] = best.details["rows"]  # type: ignore[assignment]
+        free = chooser.pick(KINDS[rounds % len(KINDS)], rows, size)
+        found, status, _ = solve_neighbourhood(problem, sg, rows, free, runs_per_node, min(ROUND_SECONDS, left))
+        rounds += 1
+        if found is not None and found.feasible and found.compute_cost < best.compute_cost * (1 - 1e-12):
+            best, improvements = found, improvements + 1
+            on_better(found)
+        elif status.status == "optimal":
+            size = min(len(chooser.movable), int(size * GROWTH) + 1)
+        elif status.status != "optimal":
+            size = max(MIN_SIZE, int(size / GROWTH))
+    return LnsResult(best if improvements else None, rounds, improvements, time.perf_counter() - start)

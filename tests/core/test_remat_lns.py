@@ -1,0 +1,122 @@
+"""The large neighbourhood search (memplan.remat.lns) and its step, the CP model around a plan
+(moccasin.solve_neighbourhood): against the whole CP model on small random graphs."""
+
+from __future__ import annotations
+
+import pytest
+
+from memplan.remat import RematProblem, solve_remat
+from memplan.remat.baselines import BASELINES, checkpoint_all
+from memplan.remat.coarsen import identity
+from memplan.remat.lns import Neighbourhoods, improve
+from memplan.remat.lower import sequence_peak_bytes, validate_sequence
+from memplan.remat.moccasin import build_events, most_runs, node_reads, rerun_nodes, solve_moccasin, solve_neighbourhood
+from tests.core.test_remat_portfolio import small_graph
+
+CASES = [(3, 0.7), (12, 0.8), (13, 0.7), (24, 0.8)]
+"""(seed, fraction of the checkpoint-all peak) where DTR planned ahead is not optimal."""
+
+
+def _start(seed: int, fraction: float):  # type: ignore[no-untyped-def]
+    graph = small_graph(seed, 14)
+    top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
+    problem = RematProblem(graph, int(top * fraction), time_limit_seconds=5.0, workers=1, max_solver_nodes=10**6)
+    sg = identity(problem)
+    start = BASELINES["dtr-planned"](problem)
+    assert start.feasible
+    return graph, problem, sg, start
+
+
+def _runs(rows: list[list[int]], k: int) -> list[int]:
+    return [t for t, row in enumerate(rows) if k in row]
+
+
+@pytest.mark.parametrize(("seed", "fraction"), CASES)
+def test_a_neighbourhood_keeps_the_runs_of_every_node_it_does_not_free(seed: int, fraction: float) -> None:
+    graph, problem, sg, start = _start(seed, fraction)
+    rows = start.details["rows"]
+    again = rerun_nodes(rows)  # type: ignore[arg-type]
+    events = build_events(sg, node_reads(sg))
+    movable = [k for k in range(sg.size) if events.recompute[k]]
+    nothing, status, _ = solve_neighbourhood(problem, sg, rows, set(), 3, 5.0)  # type: ignore[arg-type]
+    assert nothing is not None and status.status == "optimal"
+    assert nothing.compute_cost <= start.compute_cost
+    free = set(movable[::2])
+    plan, _, _ = solve_neighbourhood(problem, sg, rows, free, 3, 5.0)  # type: ignore[arg-type]
+    assert plan is not None and plan.compute_cost <= start.compute_cost
+    validate_sequence(graph, plan.steps)
+    assert plan.peak_bytes == sequence_peak_bytes(graph, plan.steps) <= problem.budget_bytes
+    found: list[list[int]] = plan.details["rows"]  # type: ignore[assignment]
+    for k in range(sg.size):
+        if k in free:
+            continue
+        if k in again:
+            kept = [t for t in _runs(rows, k) if t == k or (t, k) in events.index]  # type: ignore[arg-type]
+            assert _runs(found, k) == kept
+        else:
+            assert _runs(found, k) == [k]
+
+
+@pytest.mark.parametrize(("seed", "fraction"), CASES)
+def test_a_neighbourhood_of_every_node_is_the_whole_cp_model(seed: int, fraction: float) -> None:
+    _graph, problem, sg, start = _start(seed, fraction)
+    rows = start.details["rows"]
+    runs = max(3, most_runs(rows))  # type: ignore[arg-type]
+    whole, whole_status, _ = solve_moccasin(problem, sg, rows, runs, 10.0, probe_cuts=False)  # type: ignore[arg-type]
+    every, status, _ = solve_neighbourhood(problem, sg, rows, set(range(sg.size)), 3, 10.0)  # type: ignore[arg-type]
+    assert whole_status.status == status.status == "optimal"
+    assert whole is not None and every is not None and every.compute_cost == whole.compute_cost
+
+
+@pytest.mark.parametrize(("seed", "fraction"), CASES)
+def test_the_search_improves_a_baseline_to_the_cp_models_optimum(seed: int, fraction: float) -> None:
+    graph, problem, sg, start = _start(seed, fraction)
+    rows = start.details["rows"]
+    optimum, status, _ = solve_moccasin(problem, sg, rows, max(3, most_runs(rows)), 10.0, probe_cuts=False)  # type: ignore[arg-type]
+    assert status.status == "optimal" and optimum is not None and optimum.compute_cost < start.compute_cost
+    seen: list[float] = []
+    result = improve(
+        problem,
+        sg,
+        start,
+        20.0,
+        3,
+        stop=lambda plan: plan.compute_cost <= optimum.compute_cost,
+        on_better=lambda plan: seen.append(plan.compute_cost),
+    )
+    assert result.plan is not None and result.plan.compute_cost <= optimum.compute_cost
+    assert seen == sorted(seen, reverse=True) and seen[-1] == result.plan.compute_cost
+    assert result.improvements == len(seen) >= 1
+    validate_sequence(graph, result.plan.steps)
+    assert result.plan.peak_bytes <= problem.budget_bytes
+
+
+def test_the_neighbourhoods_are_re_runnable_nodes_around_the_plan() -> None:
+    _graph, _problem, sg, start = _start(12, 0.8)
+    chooser = Neighbourhoods(sg)
+    rows = start.details["rows"]
+    for kind in ("crossing", "re-runs", "window"):
+        for _ in range(20):
+            free = chooser.pick(kind, rows, 6)  # type: ignore[arg-type]
+            assert free <= set(chooser.movable) | rerun_nodes(rows)  # type: ignore[arg-type]
+    assert any(chooser.pick("re-runs", rows, 6) for _ in range(5))  # type: ignore[arg-type]
+
+
+def test_the_portfolio_runs_the_search_on_large_models_and_keeps_its_plans_valid(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Below :data:`LNS_MIN_EVENTS` the portfolio skips it; forced on a small graph, it runs,
+    its plan beats DTR planned ahead's and the answer is still honest."""
+    from memplan.remat import portfolio
+
+    graph, problem, _sg, start = _start(24, 0.8)
+    plain = solve_remat(graph, problem.budget_bytes, 10.0, workers=1)
+    assert "neighbourhood search" not in [a["name"] for a in plain.details["attempts"]]
+    monkeypatch.setattr(portfolio, "LNS_MIN_EVENTS", 0)
+    monkeypatch.setattr(portfolio, "RESTRICTED_MAX_FRACTION", 0.0)  # no restricted search: the LNS finds the plan
+    forced = solve_remat(graph, problem.budget_bytes, 10.0, workers=1)
+    names = [a["name"] for a in forced.details["attempts"]]
+    assert forced.feasible and forced.status != "infeasible"
+    validate_sequence(graph, forced.steps)
+    assert forced.compute_cost < start.compute_cost and forced.peak_bytes <= problem.budget_bytes
+    assert "neighbourhood search" in names
