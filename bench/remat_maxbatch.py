@@ -93,10 +93,12 @@ def plot(all_results: dict[str, dict[str, MaxBatch]], path: Path) -> None:
     names = list(STRATEGIES)
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(names)
+    colours = plt.get_cmap("tab20").colors  # one colour per strategy (the default cycle has 10)
     for k, strategy in enumerate(names):
         xs = [i + k * width for i in range(len(all_results))]
         ys = [r[strategy].batch / max(1, r["checkpoint-all"].batch) for r in all_results.values()]
-        ax.bar(xs, ys, width, label=strategy, hatch="//" if strategy == "checkmate" else None)
+        hatch = "//" if strategy == "checkmate" else None
+        ax.bar(xs, ys, width, label=strategy, hatch=hatch, color=colours[k % len(colours)])
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(all_results))], list(all_results))
     ax.set_ylabel("largest batch / checkpoint-all's")
     ax.axhline(1, color="black", linewidth=0.5)
