@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from memplan.remat import RematProblem, solve_remat
+from memplan.remat import RematProblem, lns, solve_remat
 from memplan.remat.baselines import BASELINES, checkpoint_all
 from memplan.remat.coarsen import identity
 from memplan.remat.lns import Neighbourhoods, improve
@@ -68,8 +68,13 @@ def test_a_neighbourhood_of_every_node_is_the_whole_cp_model(seed: int, fraction
     assert whole is not None and every is not None and every.compute_cost == whole.compute_cost
 
 
+@pytest.mark.parametrize("guided", [False, True])
 @pytest.mark.parametrize(("seed", "fraction"), CASES)
-def test_the_search_improves_a_baseline_to_the_cp_models_optimum(seed: int, fraction: float) -> None:
+def test_the_search_improves_a_baseline_to_the_cp_models_optimum(
+    seed: int, fraction: float, guided: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Also when every round is a guided one (guided by two arbitrary nodes)."""
+    monkeypatch.setattr(lns, "GUIDED_EVERY", 1)
     graph, problem, sg, start = _start(seed, fraction)
     rows = start.details["rows"]
     optimum, status, _ = solve_moccasin(problem, sg, rows, max(3, most_runs(rows)), 10.0, probe_cuts=False)  # type: ignore[arg-type]
@@ -83,6 +88,7 @@ def test_the_search_improves_a_baseline_to_the_cp_models_optimum(seed: int, frac
         3,
         stop=lambda plan: plan.compute_cost <= optimum.compute_cost,
         on_better=lambda plan: seen.append(plan.compute_cost),
+        guide=frozenset(Neighbourhoods(sg).movable[:2]) if guided else frozenset(),
     )
     assert result.plan is not None and result.plan.compute_cost <= optimum.compute_cost
     assert seen == sorted(seen, reverse=True) and seen[-1] == result.plan.compute_cost
@@ -120,3 +126,17 @@ def test_the_portfolio_runs_the_search_on_large_models_and_keeps_its_plans_valid
     validate_sequence(graph, forced.steps)
     assert forced.compute_cost < start.compute_cost and forced.peak_bytes <= problem.budget_bytes
     assert "neighbourhood search" in names
+
+
+def test_a_guided_neighbourhood_frees_the_guide_and_every_re_run() -> None:
+    """The guided kind frees every node the plan re-runs, the re-runnable nodes of the guide
+    (never a node that may not run again) and a few at random."""
+    _graph, _problem, sg, start = _start(12, 0.8)
+    chooser = Neighbourhoods(sg)
+    rows = start.details["rows"]
+    guide = frozenset({0, *chooser.movable[:3], sg.size - 1})
+    for _ in range(10):
+        free = chooser.pick("guided", rows, 6, guide)  # type: ignore[arg-type]
+        assert rerun_nodes(rows) <= free  # type: ignore[arg-type]
+        assert guide & set(chooser.movable) <= free
+        assert free <= set(chooser.movable) | rerun_nodes(rows)  # type: ignore[arg-type]

@@ -28,9 +28,11 @@ from memplan.remat.lower import InvalidPlan, lower, schedule_from_decisions, seq
 from memplan.remat.milp import _finish, solve_checkmate
 from memplan.remat.moccasin import (
     CutRelaxation,
+    RerunWindows,
     _phase1,
     add_hints,
     build_model,
+    node_reads,
     restricted_graph,
     solve_moccasin,
     solve_restricted,
@@ -344,6 +346,51 @@ def test_the_stage_cuts_bound_above_the_plain_step_somewhere() -> None:
             bound, _ = stage_cut_bound(identity(problem), problem.budget_bytes, 0, 5.0, workers=1)
             above.append(bound is not None and bound > problem.plain_cost)
     assert any(above)
+
+
+def twice_read_graph() -> Graph:
+    """``a`` makes A (10 B, cost 1), read by ``x1``, ``x2`` and ``x3``; between the reads
+    ``big1``/``big2`` make 20 B that ``c1``/``c2`` read. Under a budget of 25 B, A cannot stay
+    across either big value: it is made again before ``x2`` and again before ``x3``."""
+    names = [("A", 10), ("X1", 1), ("B1", 20), ("C1", 1), ("X2", 1), ("B2", 20), ("C2", 1), ("X3", 1)]
+    tensors = [Tensor(name, size) for name, size in names] + [Tensor("loss", 1, Category.OUTPUT)]
+    t = {tensor.name: TensorId(i) for i, tensor in enumerate(tensors)}
+    ops = [
+        Op("a", "mm", (), (t["A"],), flops=1),
+        Op("x1", "mm", (t["A"],), (t["X1"],), flops=5),
+        Op("big1", "mm", (), (t["B1"],), flops=50),
+        Op("c1", "mm", (t["B1"],), (t["C1"],), flops=50),
+        Op("x2", "mm", (t["A"],), (t["X2"],), flops=5),
+        Op("big2", "mm", (), (t["B2"],), flops=50),
+        Op("c2", "mm", (t["B2"],), (t["C2"],), flops=50),
+        Op("x3", "mm", (t["A"],), (t["X3"],), flops=5),
+        Op("out", "sum", tuple(t[n] for n in ("X1", "C1", "X2", "C2", "X3")), (t["loss"],), flops=1),
+    ]
+    return Graph(tuple(ops), tuple(tensors), "twice")
+
+
+def test_the_relaxation_counts_a_rerun_per_window() -> None:
+    """Re-runs asked for in windows that cannot overlap are different runs: the stage cuts'
+    relaxation bounds the twice-read graph at two re-runs of ``a`` (one flag per node would
+    say one), which is Checkmate's optimum (exact over the one-node-per-op graph); the windows
+    of different segments are disjoint."""
+    graph = twice_read_graph()
+    budget = 25
+    problem = RematProblem(graph, budget, time_limit_seconds=5.0, workers=1)
+    sg = identity(problem)
+    optimum = STRATEGIES["checkmate"](problem)
+    assert optimum.status == "optimal"
+    expected = problem.plain_cost + 2
+    assert optimum.compute_cost == expected
+    relaxed = stage_cut_relaxation(sg, budget, graph.persistent_bytes, 5.0, workers=1)
+    exact, _ = stage_cut_bound(sg, budget, graph.persistent_bytes, 5.0, workers=1)
+    assert relaxed.bound == pytest.approx(expected) and exact == pytest.approx(expected)
+    windows = RerunWindows(sg, node_reads(sg))
+    assert [windows.segment(0, v) for v in range(1, sg.size)] == [0, 0, 0, 1, 1, 1, 2, 2]
+    for v in range(1, sg.size):
+        for w in range(v + 1, sg.size):
+            if windows.segment(0, v) != windows.segment(0, w):
+                assert windows.end(0, v) <= w  # v's window closes before w's opens
 
 
 @pytest.mark.parametrize("budget", [14, 15, 17, 30])  # checkpoint-all peaks at 17

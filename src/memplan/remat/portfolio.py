@@ -9,8 +9,9 @@ The portfolio runs, within one time limit, and keeps the cheapest plan that fits
    AP, linearized, Chen's drop-cheap, DTR), within a share of the time: plans in seconds, and
    the warm starts of the solvers;
 3. the **stage cuts' relaxation** (:func:`memplan.remat.moccasin.stage_cut_relaxation`: one
-   re-run flag per node, the memory at each first run covered by what is re-run after it,
-   solved as a MILP by SCIP), a bound far above the drop cover where re-runs need re-runs,
+   re-run flag per node and window segment, the memory at each first run covered by what is
+   re-run after it, solved as a MILP by SCIP), a bound far above the drop cover where re-runs
+   need re-runs,
    then the CP model over only the nodes its best solution re-runs
    (:func:`memplan.remat.moccasin.solve_restricted`, widened while no plan fits): a small
    model that finds in a second what the whole one misses for minutes;
@@ -102,8 +103,11 @@ takes tenths of a second; once a plan is proven within the gap limit, those afte
 ALWAYS_RUN = ("checkpoint-all", "dtr", "chen-drop-cheap", "dtr-planned")
 """The baselines that run even once a plan is proven within the gap limit: at most about a
 second together, and one of them has the cheapest plan on most of the zoo's budgets."""
-COARSE_BASELINES = ("dtr-planned",)
-"""Baselines run again over the MILP's coarsened graph when no plan is proven yet."""
+COARSE_BASELINES = ("dtr", "dtr-planned")
+"""Baselines run again over the MILP's coarsened graph on graphs larger than it (tenths of a
+second): deciding over groups of ops can beat deciding per op, and a plan proven within the
+gap limit may still cost a little more than theirs (MobileNet-v2 at 2070 MiB: 0.21% over its
+472 nodes, DTR's 0.20% over 201)."""
 QUICK_BASELINES = ("checkpoint-all", "chen-drop-cheap", "dtr", "linearized-greedy")
 """The baselines that warm-start the CP model over a coarsened graph."""
 
@@ -114,6 +118,10 @@ RELAXATION_MAX_SECONDS = 15.0
 RESTRICTED_SHARE = 0.35
 """Each search of the CP model over the relaxation's nodes gets this share of the time left
 (it has no plan to start from: on the 250-node DAG at 0.8 its first one comes after 0.5-4 s)."""
+RESTRICTED_MAX_SECONDS = 5.0
+"""... and at most this long once a plan over the whole graph is in hand (the 250-node DAG at
+0.7: the widened search over 88 nodes finds nothing in 200 s, time the neighbourhood search
+turns into plans)."""
 RESTRICTED_WIDENINGS = 2
 """How often the relaxation's nodes are widened (their re-runs' inputs) when no plan re-running only them fits."""
 RESTRICTED_MAX_FRACTION = 0.5
@@ -238,6 +246,7 @@ class _Portfolio:
         self.best_whole: RematSchedule | None = None  # the cheapest plan over the whole graph: the CP model's hint
         self.cut_bound: float | None = None
         self.relaxed = False  # the stage cuts' relaxation ran: the CP model does not probe them again
+        self.cut_reruns: frozenset[int] = frozenset()  # the nodes its best solution re-runs
 
     def left(self) -> float:
         return self.problem.time_limit_seconds - (time.perf_counter() - self.start)
@@ -302,14 +311,13 @@ class _Portfolio:
             self.offer(plan, name, self.whole)
             self.lowest = _lower_peak(self.lowest, plan)
             self.attempts.append(_attempt(name, plan, time.perf_counter() - began, self.whole.size))
-        if not self.proven() and self.whole.size > MILP_NODES:
+        if self.whole.size > MILP_NODES:
             self.coarse_baselines()
 
     def coarse_baselines(self) -> None:
-        """:data:`COARSE_BASELINES` over the MILP's coarsened graph: where a plan is far from
-        proven, deciding over groups of ops can beat deciding per op (DTR planned ahead on the
-        250-node layered DAG at 0.7: +46.0% over 200 nodes, +48.6% over the whole graph), and
-        such a plan warm-starts the MILP."""
+        """:data:`COARSE_BASELINES` over the MILP's coarsened graph: deciding over groups of ops
+        can beat deciding per op (DTR planned ahead on the 250-node layered DAG at 0.7: +46.0%
+        over 200 nodes, +48.6% over the whole graph), and such a plan warm-starts the MILP."""
         problem = self.problem_for_milp(max(0.1, self.left()))
         sg = coarsen(problem, MILP_NODES)
         for name in COARSE_BASELINES:
@@ -341,7 +349,7 @@ class _Portfolio:
             self.problem.workers,
             enough=enough,
         )
-        self.relaxed, self.cut_bound = True, relaxed.bound
+        self.relaxed, self.cut_bound, self.cut_reruns = True, relaxed.bound, frozenset(relaxed.rerun)
         self.attempts.append(
             {
                 "name": "stage-cut relaxation",
@@ -359,6 +367,8 @@ class _Portfolio:
             if self.done() or not nodes or len(nodes) > RESTRICTED_MAX_FRACTION * movable:
                 return
             seconds = RESTRICTED_SHARE * self.left()
+            if self.best_whole is not None:
+                seconds = min(seconds, RESTRICTED_MAX_SECONDS)
             self.report(f"CP model over the {len(nodes)} nodes the relaxation re-runs ({seconds:.0f} s)")
             began = time.perf_counter()
             plan, status, _ = solve_restricted(
@@ -400,6 +410,7 @@ class _Portfolio:
             max(runs_per_node, RESTRICTED_RUNS),
             stop=lambda _: self.proven(),
             on_better=lambda plan: self.offer(plan, "neighbourhood search", self.whole),
+            guide=self.cut_reruns,
         )
         attempt = _attempt("neighbourhood search", found.plan, found.seconds, self.whole.size)
         self.attempts.append({**attempt, "rounds": found.rounds, "improvements": found.improvements})
