@@ -11,7 +11,7 @@ from memplan.remat.coarsen import identity
 from memplan.remat.lns import Neighbourhoods, improve
 from memplan.remat.lower import sequence_peak_bytes, validate_sequence
 from memplan.remat.moccasin import build_events, most_runs, node_reads, rerun_nodes, solve_moccasin, solve_neighbourhood
-from tests.core.test_remat_portfolio import small_graph
+from tests.core.test_remat_portfolio import small_graph, twice_read_graph
 
 CASES = [(3, 0.7), (12, 0.8), (13, 0.7), (24, 0.8)]
 """(seed, fraction of the checkpoint-all peak) where DTR planned ahead is not optimal."""
@@ -130,7 +130,7 @@ def test_the_portfolio_runs_the_search_on_large_models_and_keeps_its_plans_valid
 
 def test_a_guided_neighbourhood_frees_the_guide_and_every_re_run() -> None:
     """The guided kind frees every node the plan re-runs, the re-runnable nodes of the guide
-    (never a node that may not run again) and a few at random."""
+    (never a node that may not run again) and a few drawn by pressure."""
     _graph, _problem, sg, start = _start(12, 0.8)
     chooser = Neighbourhoods(sg)
     rows = start.details["rows"]
@@ -140,3 +140,29 @@ def test_a_guided_neighbourhood_frees_the_guide_and_every_re_run() -> None:
         assert rerun_nodes(rows) <= free  # type: ignore[arg-type]
         assert guide & set(chooser.movable) <= free
         assert free <= set(chooser.movable) | rerun_nodes(rows)  # type: ignore[arg-type]
+
+
+def test_pressure_is_the_bytes_a_node_keeps_across_the_stages_over_the_budget() -> None:
+    """By hand on the twice-read graph at 25 B: ``big1``, ``c1``, ``big2`` and ``c2`` are over
+    the budget with every part kept; ``A`` (10 B) crosses all four, ``X1`` (1 B) too, ``C1`` and
+    ``X2`` (1 B each) the last two. Nothing is over a budget above the checkpoint-all peak."""
+    graph = twice_read_graph()
+    sg = identity(RematProblem(graph, 25, time_limit_seconds=5.0, workers=1))
+    tight = Neighbourhoods(sg, budget_bytes=25, persistent_bytes=graph.persistent_bytes)
+    assert tight.pressure == [40, 4, 0, 2, 2, 0, 0, 0, 0]
+    roomy = Neighbourhoods(sg, budget_bytes=10**6, persistent_bytes=graph.persistent_bytes)
+    assert roomy.pressure == [0] * sg.size == Neighbourhoods(sg).pressure
+
+
+def test_a_guided_neighbourhood_adds_nodes_under_pressure_first() -> None:
+    """The nodes a guided neighbourhood adds come from those with pressure while there are
+    enough of them, then uniformly from the rest; never a node outside the candidates."""
+    graph = twice_read_graph()
+    sg = identity(RematProblem(graph, 25, time_limit_seconds=5.0, workers=1))
+    chooser = Neighbourhoods(sg, budget_bytes=25, persistent_bytes=graph.persistent_bytes)
+    under = {k for k in chooser.movable if chooser.pressure[k] > 0}
+    for count in range(1, len(chooser.movable) + 1):
+        drawn = chooser._by_pressure(chooser.movable, count)
+        assert len(drawn) == count and drawn <= set(chooser.movable)
+        assert drawn <= under or under <= drawn
+    assert chooser._by_pressure([2, 5], 1) <= {2, 5}  # no pressure among them: uniform

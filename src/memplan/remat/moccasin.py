@@ -370,27 +370,12 @@ def _stage_cuts(
     plan has them), so they cut no plan; but with ``b[p, v] <= present`` (of ``p``'s re-run)
     their linear relaxation ties the budget to the objective, which the cumulative constraint
     alone does not: on a budget near the memory floor it is the search's lower bound."""
-    unit = units.memory
-    size = {(p, q): b // unit for p, parts in enumerate(sg.parts) for q, (b, _) in enumerate(parts) if b}
-    first_readers: dict[Part, list[int]] = {}
+    size = part_units(sg, units)
     rerun_readers: dict[Part, list[int]] = {}
     for j in range(sg.size):
-        for part in reads.first[j]:
-            first_readers.setdefault(part, []).append(j)
         for part in reads.rerun[j]:
             rerun_readers.setdefault(part, []).append(j)
-    last_first_read = {part: max(js) for part, js in first_readers.items()}
-    stages = []
-    made_before = 0
-    for v in range(sg.size):
-        own = sum(size.get((v, q), 0) for q in range(len(sg.parts[v]))) + units.work[v] // unit
-        inputs = set(reads.first[v])
-        crossing = [part for part, last in last_first_read.items() if part[0] < v < last and part not in inputs]
-        fixed = made_before + own + sum(size[part] for part in inputs if part in size)
-        excess = fixed + sum(size[part] for part in crossing) - units.capacity
-        if excess > 0:
-            stages.append((excess, v, fixed, crossing))
-        made_before += sg.output_bytes[v] // unit
+    stages = over_budget_stages(sg, reads, units, size)
     pairs = 0
     chosen = []
     for _excess, v, fixed, crossing in sorted(stages, key=lambda s: -s[0]):
@@ -408,6 +393,37 @@ def _stage_cuts(
                 model.add_implication(later[key], b)  # a re-run after a later stage is after this one
             later[key] = b
         _stage_memory(model, v, fixed, crossing, after, size, rerun_readers, units.capacity)
+
+
+def part_units(sg: SolverGraph, units: MemoryUnits) -> dict[Part, int]:
+    """Each byte part's size in the model's memory units (parts without bytes left out)."""
+    return {(p, q): b // units.memory for p, parts in enumerate(sg.parts) for q, (b, _) in enumerate(parts) if b}
+
+
+def over_budget_stages(
+    sg: SolverGraph, reads: Reads, units: MemoryUnits, size: dict[Part, int]
+) -> list[tuple[int, int, int, list[Part]]]:
+    """The stages where keeping every part over the budget: ``(excess, v, fixed, crossing)``
+    per such first run ``v`` (memory units). ``fixed``: the outputs of the step made before
+    ``v``, ``v``'s inputs, outputs and temporaries; ``crossing``: the parts made before ``v``
+    and read by the first run of a later node; ``excess``: what ``fixed`` and ``crossing``
+    together exceed the capacity by, what re-runs must make room for."""
+    last_first_read: dict[Part, int] = {}
+    for j in range(sg.size):
+        for part in reads.first[j]:
+            last_first_read[part] = max(last_first_read.get(part, j), j)
+    stages = []
+    made_before = 0
+    for v in range(sg.size):
+        own = sum(size.get((v, q), 0) for q in range(len(sg.parts[v]))) + units.work[v] // units.memory
+        inputs = set(reads.first[v])
+        crossing = [part for part, last in last_first_read.items() if part[0] < v < last and part not in inputs]
+        fixed = made_before + own + sum(size[part] for part in inputs if part in size)
+        excess = fixed + sum(size[part] for part in crossing) - units.capacity
+        if excess > 0:
+            stages.append((excess, v, fixed, crossing))
+        made_before += sg.output_bytes[v] // units.memory
+    return stages
 
 
 def stage_cut_bound(
