@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from memplan.remat import RematProblem, lns, solve_remat
@@ -112,7 +114,8 @@ def test_the_portfolio_runs_the_search_on_large_models_and_keeps_its_plans_valid
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Below :data:`LNS_MIN_EVENTS` the portfolio skips it; forced on a small graph, it runs,
-    its plan beats DTR planned ahead's and the answer is still honest."""
+    its plan beats DTR planned ahead's and the answer is still honest. The search has the time
+    left (or ends proven), so the whole CP model does not run after it."""
     from memplan.remat import portfolio
 
     graph, problem, _sg, start = _start(24, 0.8)
@@ -126,6 +129,30 @@ def test_the_portfolio_runs_the_search_on_large_models_and_keeps_its_plans_valid
     validate_sequence(graph, forced.steps)
     assert forced.compute_cost < start.compute_cost and forced.peak_bytes <= problem.budget_bytes
     assert "neighbourhood search" in names
+
+
+def test_the_search_has_the_time_left_and_the_whole_model_does_not_follow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The portfolio gives the neighbourhood search all the time left (less the margin for
+    lowering), and runs the whole CP model after it only if the search left enough time."""
+    from memplan.remat import lns, portfolio
+
+    graph, problem, _sg, _start_plan = _start(24, 0.8)
+    monkeypatch.setattr(portfolio, "LNS_MIN_EVENTS", 0)
+    monkeypatch.setattr(portfolio, "RESTRICTED_MAX_FRACTION", 0.0)
+    given: list[float] = []
+
+    def spend(_problem: object, _sg: object, _plan: object, seconds: float, *_args: object, **_kw: object) -> object:
+        given.append(seconds)
+        time.sleep(seconds)  # a search that finds nothing better and is never proven
+        return lns.LnsResult(None, 1, 0, seconds)
+
+    monkeypatch.setattr(portfolio, "improve", spend)
+    began = time.perf_counter()
+    plan = solve_remat(graph, problem.budget_bytes, 4.0, workers=1, gap_limit=0.0)
+    names = [a["name"] for a in plan.details["attempts"]]
+    assert given and given[0] >= 4.0 - (time.perf_counter() - began - given[0]) - portfolio.MARGIN_SECONDS - 0.1
+    assert "moccasin" not in names and "checkmate" not in names
+    assert plan.feasible and plan.status == "feasible" and time.perf_counter() - began <= 4.0 + 0.5
 
 
 def test_a_guided_neighbourhood_frees_the_guide_and_every_re_run() -> None:
