@@ -193,3 +193,34 @@ def test_a_guided_neighbourhood_adds_nodes_under_pressure_first() -> None:
         assert len(drawn) == count and drawn <= set(chooser.movable)
         assert drawn <= under or under <= drawn
     assert chooser._by_pressure([2, 5], 1) <= {2, 5}  # no pressure among them: uniform
+
+
+def test_guided_rounds_back_off_while_they_find_nothing_and_return_once_one_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Guided rounds come every :data:`GUIDED_EVERY` rounds from the first; each one that finds
+    nothing better doubles the wait (up to :data:`GUIDED_MAX_EVERY`), one that does resets it.
+    The neighbourhoods are recorded, not solved: only round 12 (a guided one) finds a plan."""
+    from dataclasses import replace
+
+    from memplan.solvers import SolveStatus
+
+    _graph, problem, sg, start = _start(12, 0.8)
+    kinds: list[str] = []
+
+    def record(self: Neighbourhoods, kind: str, *_args: object) -> set[int]:
+        kinds.append(kind)
+        return set()
+
+    def answer(*_args: object) -> tuple[object, SolveStatus, dict[str, object]]:
+        if len(kinds) - 1 == 12:
+            return replace(start, compute_cost=start.compute_cost / 2), SolveStatus("optimal", 0, 0, 0, 0.0), {}
+        return None, SolveStatus("unknown", None, None, None, 0.0), {}
+
+    monkeypatch.setattr(Neighbourhoods, "pick", record)
+    monkeypatch.setattr(lns, "solve_neighbourhood", answer)
+    guide = frozenset(Neighbourhoods(sg).movable[:1])
+    found = improve(problem, sg, start, 60.0, 3, stop=lambda _: len(kinds) >= 60, guide=guide)
+    assert found.improvements == 1 and found.rounds == 60
+    assert lns.GUIDED_EVERY == 2 and lns.GUIDED_MAX_EVERY == 16
+    assert [i for i, kind in enumerate(kinds) if kind == "guided"] == [0, 4, 12, 14, 18, 26, 42, 58]
