@@ -224,3 +224,96 @@ def test_guided_rounds_back_off_while_they_find_nothing_and_return_once_one_does
     assert found.improvements == 1 and found.rounds == 60
     assert lns.GUIDED_EVERY == 2 and lns.GUIDED_MAX_EVERY == 16
     assert [i for i, kind in enumerate(kinds) if kind == "guided"] == [0, 4, 12, 14, 18, 26, 42, 58]
+
+
+@pytest.mark.parametrize(("seed", "fraction"), CASES[:2])
+def test_two_threads_reach_the_cp_models_optimum_too(seed: int, fraction: float) -> None:
+    graph, problem, sg, start = _start(seed, fraction)
+    problem = problem.with_time_limit(5.0)
+    rows = start.details["rows"]
+    optimum, status, _ = solve_moccasin(problem, sg, rows, max(3, most_runs(rows)), 10.0, probe_cuts=False)  # type: ignore[arg-type]
+    assert status.status == "optimal" and optimum is not None
+    seen: list[float] = []
+    two = RematProblem(problem.graph, problem.budget_bytes, workers=2, max_solver_nodes=problem.max_solver_nodes)
+    result = improve(
+        two,
+        sg,
+        start,
+        20.0,
+        3,
+        stop=lambda plan: plan.compute_cost <= optimum.compute_cost,
+        on_better=lambda plan: seen.append(plan.compute_cost),
+        threads=2,
+    )
+    assert result.plan is not None and result.plan.compute_cost == optimum.compute_cost == seen[-1]
+    assert seen == sorted(seen, reverse=True) and len(set(seen)) == len(seen) == result.improvements
+    validate_sequence(graph, result.plan.steps)
+    assert result.plan.peak_bytes <= problem.budget_bytes
+
+
+def test_threads_solve_neighbourhoods_at_once_each_with_its_share_of_the_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two threads of one worker each (the problem's two workers shared) solve rounds at once;
+    a round whose plan is cheaper than its start but not than the best found meanwhile is
+    dropped. The neighbourhoods are answered, not solved: each round's plan is cheaper than the
+    rounds' before it, and the even ones take longer, so some finish after a later, cheaper one."""
+    import threading
+    from dataclasses import replace
+
+    from memplan.solvers import SolveStatus
+
+    _graph, problem, sg, start = _start(12, 0.8)
+    problem = replace(problem, workers=2)
+    calls: list[tuple[int, int]] = []
+    lock = threading.Lock()
+    at_once = {"now": 0, "most": 0}
+
+    def answer(p: RematProblem, *_args: object) -> tuple[object, SolveStatus, dict[str, object]]:
+        with lock:
+            k = len(calls)
+            calls.append((threading.get_ident(), p.workers))
+            at_once["now"] += 1
+            at_once["most"] = max(at_once["most"], at_once["now"])
+        time.sleep(0.02 if k % 2 else 0.05)
+        with lock:
+            at_once["now"] -= 1
+        cheaper = replace(start, compute_cost=start.compute_cost * (1 - (k + 1) / 1000))
+        return cheaper, SolveStatus("feasible", 0, 0, 0, 0.0), {}
+
+    monkeypatch.setattr(lns, "solve_neighbourhood", answer)
+    seen: list[float] = []
+    found = improve(
+        problem,
+        sg,
+        start,
+        60.0,
+        3,
+        stop=lambda _: len(calls) >= 40,
+        on_better=lambda p: seen.append(p.compute_cost),
+        threads=2,
+    )
+    assert len({ident for ident, _ in calls}) == 2 and {workers for _, workers in calls} == {1}
+    assert at_once["most"] == 2
+    assert found.rounds == len(calls) and found.improvements == len(seen) < found.rounds
+    assert seen == sorted(seen, reverse=True) and found.plan is not None and found.plan.compute_cost == seen[-1]
+
+
+def test_an_error_in_another_thread_reaches_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+    from dataclasses import replace
+
+    from memplan.solvers import SolveStatus
+
+    _graph, problem, sg, start = _start(12, 0.8)
+    main = threading.get_ident()
+
+    def answer(*_args: object) -> object:
+        if threading.get_ident() != main:
+            raise RuntimeError("boom in a search thread")
+        time.sleep(0.01)
+        return None, SolveStatus("unknown", None, None, None, 0.0), {}
+
+    monkeypatch.setattr(lns, "solve_neighbourhood", answer)
+    with pytest.raises(RuntimeError, match="boom in a search thread"):
+        improve(replace(problem, workers=2), sg, start, 30.0, 3, threads=2)

@@ -17,7 +17,8 @@ The portfolio runs, within one time limit, and keeps the cheapest plan that fits
    model that finds in a second what the whole one misses for minutes;
 4. a **large neighbourhood search** (:mod:`memplan.remat.lns`) from the cheapest plan over
    the whole graph, on graphs whose whole CP model is too big to search well: the CP model
-   over a few freed nodes at a time, every other node's runs kept, in the time left;
+   over a few freed nodes at a time, every other node's runs kept, one neighbourhood per
+   worker at once, in the time left;
 5. **Moccasin's CP model** (:mod:`memplan.remat.moccasin`) on the whole graph, hinted with the
    best plan so far (after the neighbourhood search, only if it left time: :data:`CP_MIN_SECONDS`).
    Only when the whole model is too big for the time limit is the graph coarsened first, and
@@ -404,7 +405,8 @@ class _Portfolio:
     def neighbourhoods(self, runs_per_node: int) -> None:
         """Large neighbourhood search (:func:`memplan.remat.lns.improve`) from the cheapest plan
         over the whole graph, in the time left, on graphs whose whole CP model has at least
-        :data:`LNS_MIN_EVENTS` events (smaller ones the whole model searches better, and proves)."""
+        :data:`LNS_MIN_EVENTS` events (smaller ones the whole model searches better, and proves);
+        one neighbourhood per worker at once (:func:`memplan.remat.lns.improve`'s ``threads``)."""
         start = self.best_whole
         if start is None or _events(self.whole) < LNS_MIN_EVENTS:
             return
@@ -422,6 +424,7 @@ class _Portfolio:
             stop=lambda _: self.proven(),
             on_better=lambda plan: self.offer(plan, "neighbourhood search", self.whole),
             guide=self.cut_reruns,
+            threads=self.problem.workers,
         )
         attempt = _attempt("neighbourhood search", found.plan, found.seconds, self.whole.size)
         self.attempts.append({**attempt, "rounds": found.rounds, "improvements": found.improvements})
