@@ -49,7 +49,9 @@ those nodes (:func:`solve_restricted`): the portfolio's way to a plan on graphs 
 model is too slow (:mod:`memplan.remat.portfolio`). Alone, they count one re-run per node and
 segment of :class:`RerunWindows` (re-runs asked for in windows that cannot overlap are
 different runs): the 250-node DAG at 0.7 of its peak, +18.9% of compute, proven in 13 s,
-where one flag per node bounded +18.3% after 15 s.
+where one flag per node bounded +18.3% after 15 s. With reader windows (a part that a re-run
+reads is made before that re-run, whose window may close long before its producer's; see
+:func:`_relaxation_model`) the LP alone bounds +20.0% in 4.5 s.
 
 The answer becomes Checkmate's ``R`` (stage ``t`` runs node ``t`` and the recomputes placed
 in it) and goes through the same lowering and estimator as every other strategy
@@ -348,6 +350,9 @@ AgainAfter = Callable[[int, int], cp_model.IntVar]
 ``v`` (and, in the relaxation, before the window of :func:`rerun_windows` closes)."""
 ChainKey = Callable[[int, int], int]
 """``key(p, v)``: stages ``v`` with the same key for node ``p`` have nested ``again`` windows."""
+Narrow = Callable[[int, Part, int, cp_model.IntVar, cp_model.IntVar], None]
+"""``narrow(v, part, j, r, b_j)``: more constraints on a part's residence ``r`` at stage ``v``
+when a re-run of ``j`` after ``v`` (``b_j``) reads it."""
 
 
 def _stage_cuts(
@@ -358,6 +363,7 @@ def _stage_cuts(
     units: MemoryUnits,
     again: AgainAfter,
     chain_key: ChainKey = lambda _p, _v: 0,
+    narrow: Narrow | None = None,
 ) -> None:
     """Redundant constraints: the memory at each tight stage, with re-runs as its only way out.
 
@@ -369,30 +375,43 @@ def _stage_cuts(
     ``U <= budget`` at one stage). Every plan of the model meets them (``b`` and ``r`` as the
     plan has them), so they cut no plan; but with ``b[p, v] <= present`` (of ``p``'s re-run)
     their linear relaxation ties the budget to the objective, which the cumulative constraint
-    alone does not: on a budget near the memory floor it is the search's lower bound."""
+    alone does not: on a budget near the memory floor it is the search's lower bound.
+    ``narrow(v, part, j, r, b_j)``: called for each part a re-run of ``j`` after ``e_v`` reads,
+    to bound its residence ``r`` further (see :func:`stage_cut_relaxation`)."""
     size = part_units(sg, units)
     rerun_readers: dict[Part, list[int]] = {}
     for j in range(sg.size):
         for part in reads.rerun[j]:
             rerun_readers.setdefault(part, []).append(j)
-    stages = over_budget_stages(sg, reads, units, size)
-    pairs = 0
-    chosen = []
-    for _excess, v, fixed, crossing in sorted(stages, key=lambda s: -s[0]):
-        movable = _movable_closure(events, reads, v, crossing)
-        if pairs + len(movable) > STAGE_CUT_PAIRS:
-            break
-        pairs += len(movable)
-        chosen.append((v, fixed, crossing, movable))
     later: dict[tuple[int, int], cp_model.IntVar] = {}
-    for v, fixed, crossing, movable in sorted(chosen, key=lambda c: -c[0]):
+    for v, fixed, crossing, movable in sorted(chosen_stages(sg, events, reads, units), key=lambda c: -c[0]):
         after = {p: again(p, v) for p in movable}
         for p, b in after.items():
             key = (p, chain_key(p, v))
             if key in later:
                 model.add_implication(later[key], b)  # a re-run after a later stage is after this one
             later[key] = b
-        _stage_memory(model, v, fixed, crossing, after, size, rerun_readers, units.capacity)
+        inputs = set(reads.first[v])
+        _stage_memory(model, v, fixed, crossing, after, size, rerun_readers, units.capacity, inputs, narrow)
+
+
+Stage = tuple[int, int, list[Part], list[int]]
+"""A stage the cuts bound: ``(v, fixed, crossing, movable)`` (see :func:`over_budget_stages`)."""
+
+
+def chosen_stages(sg: SolverGraph, events: Events, reads: Reads, units: MemoryUnits) -> list[Stage]:
+    """The stages over the budget the cuts bound, the most over it first, with the nodes that
+    may run again after each (:func:`_movable_closure`), up to :data:`STAGE_CUT_PAIRS` pairs."""
+    pairs = 0
+    chosen = []
+    stages = over_budget_stages(sg, reads, units, part_units(sg, units))
+    for _excess, v, fixed, crossing in sorted(stages, key=lambda s: -s[0]):
+        movable = _movable_closure(events, reads, v, crossing)
+        if pairs + len(movable) > STAGE_CUT_PAIRS:
+            break
+        pairs += len(movable)
+        chosen.append((v, fixed, crossing, movable))
+    return chosen
 
 
 def part_units(sg: SolverGraph, units: MemoryUnits) -> dict[Part, int]:
@@ -496,7 +515,7 @@ def _next_after(stages: list[int], v: int, none: int) -> int:
 
 @dataclass(frozen=True)
 class CutRelaxation:
-    """The stage cuts alone, a covering problem over one re-run flag per node and segment.
+    """The stage cuts alone, a covering problem over re-run flags (:func:`_relaxation_model`).
 
     ``bound``: no plan whose first runs keep program order costs less (problem cost units,
     the plain step included; None without one); ``rerun``: the nodes the best solution found
@@ -505,6 +524,12 @@ class CutRelaxation:
     bound: float | None
     rerun: tuple[int, ...]
     status: SolveStatus
+
+
+TIGHT_LP_SHARE = 0.5
+"""Share of :func:`stage_cut_relaxation`'s time for the LP with reader windows."""
+TIGHT_LP_MIN_SECONDS = 10.0
+"""The LP with reader windows is solved only when the relaxation has this long (see there)."""
 
 
 def stage_cut_relaxation(
@@ -516,60 +541,182 @@ def stage_cut_relaxation(
     backend: str = "mip",
     enough: float | None = None,
 ) -> CutRelaxation:
-    """Solve the stage cuts alone (see :func:`stage_cut_bound`) with ``backend``: "mip" (their
+    """Solve the stage cuts alone (see :func:`stage_cut_bound`) with ``backend``: "mip" (an
     LP relaxation first, then a branch and bound with cutting planes,
     :func:`memplan.solvers.solve_as_mip`; the LP alone bounds these covering models far
     sooner than CP-SAT's search) or "cp-sat" (exact, and may prove the cuts infeasible).
     ``enough``: a bound (cost units) that already settles the caller's question; once the LP
     reaches it the branch and bound is skipped (and ``rerun`` is empty). Without an integer
-    solution in time, ``rerun`` is the LP solution's support."""
+    solution in time, ``rerun`` is the LP solution's support.
+
+    With "mip" the LP is that of the cuts with **reader windows** (:func:`_relaxation_model`):
+    a re-run of ``j`` after ``v`` reads a part of ``p`` that is resident at ``v`` or made by
+    a run of ``p`` before that re-run, i.e. before ``j``'s window closes, which may be long
+    before ``p``'s own window does; re-runs are counted per stage span (Checkmate's ``R``
+    summed over stages), not per segment. On the 250-node DAG at 0.7 of its peak its LP
+    bounds plans in program order at +20.0% of compute in 4.5 s, where the segments' LP says
+    +18.3% and their branch and bound +18.9% (its optimum). The branch and bound then runs on
+    the segments' model (it solves faster there) and the better of the two bounds counts. The
+    LP with reader windows gets :data:`TIGHT_LP_SHARE` of the time, and only with at least
+    :data:`TIGHT_LP_MIN_SECONDS`; without its bound by then, the segments' LP is solved instead.
+    A 20 s solve leaves the relaxation 5.5 s: at 0.7 of that DAG's peak the LP with reader
+    windows does not finish in its share, and at 0.8 (where it bounds no more than the
+    segments' LP) its 2 s left their branch and bound too little (gap 0.85%, was 0.64%)."""
     start = time.perf_counter()
     reads = node_reads(sg)
     events = build_events(sg, reads)
     windows = RerunWindows(sg, reads)
+    units = memory_units(sg, budget_bytes, persistent_bytes)
+    plain = float(sum(sg.cost))
+    if backend != "mip":
+        cuts = _relaxation_model(sg, reads, events, windows, units, reader_windows=False)
+        solver, status = solve_cp_sat(cuts.model, seconds, workers=workers)
+        chosen = cuts.support(solver.value) if status.status in ("optimal", "feasible") else []
+        return CutRelaxation(cuts.in_cost_units(status.bound, plain), _rerun(events, chosen), status)
+    cuts = _relaxation_model(sg, reads, events, windows, units, reader_windows=False)
+    tight, lp_bound, fractional = cuts, None, None
+    if seconds >= TIGHT_LP_MIN_SECONDS:
+        tight = _relaxation_model(sg, reads, events, windows, units, reader_windows=True)
+        status, fractional = solve_as_mip(tight.model, TIGHT_LP_SHARE * seconds, relax=True)
+        lp_bound = tight.in_cost_units(status.bound, plain)
+    if lp_bound is None:  # out of time, or too little of it: the segments' LP, seconds faster
+        status, fractional = solve_as_mip(cuts.model, seconds - (time.perf_counter() - start), relax=True)
+        lp_bound, tight = cuts.in_cost_units(status.bound, plain), cuts
+    if enough is not None and lp_bound is not None and lp_bound >= enough:
+        return CutRelaxation(lp_bound, (), status)
+    chosen: list[int] = []
+    if fractional is not None:  # the LP's support, unless the branch and bound finds better
+        chosen = tight.support(lambda x: fractional[x.index] > 1e-6)
+    left = seconds - (time.perf_counter() - start)
+    if left > 0.1:
+        found, values = solve_as_mip(cuts.model, left)
+        if values is not None:
+            chosen = cuts.support(lambda x: values[x.index] > 0.5)
+        mip_bound = cuts.in_cost_units(found.bound, plain)
+        if mip_bound is not None and (lp_bound is None or mip_bound > lp_bound):
+            status, lp_bound = found, mip_bound
+    return CutRelaxation(lp_bound, _rerun(events, chosen), status)
+
+
+def _rerun(events: Events, chosen: list[int]) -> tuple[int, ...]:
+    return tuple(k for k in chosen if events.recompute[k])
+
+
+@dataclass
+class _CutModel:
+    """The stage cuts alone as a covering model, and how to read it."""
+
+    model: cp_model.CpModel
+    reruns: list[list[cp_model.IntVar]]
+    """Per node, the variables that count its re-runs (one per segment, or its total)."""
+    unit: float
+
+    def in_cost_units(self, bound: float | None, plain: float) -> float | None:
+        return None if bound is None else plain + max(0.0, bound) * self.unit
+
+    def support(self, used: Callable[[cp_model.IntVar], bool]) -> list[int]:
+        return [k for k, xs in enumerate(self.reruns) if any(used(x) for x in xs)]
+
+
+def _relaxation_model(
+    sg: SolverGraph, reads: Reads, events: Events, windows: RerunWindows, units: MemoryUnits, reader_windows: bool
+) -> _CutModel:
+    """The stage cuts (:func:`_stage_cuts`) with one flag ``b[p, v]`` per node ``p`` and stage
+    ``v``: ``p`` runs again in ``(v, end(p, v)]`` (:class:`RerunWindows`), each such re-run paid.
+
+    Without ``reader_windows`` one flag per node and segment pays for every ``b`` of the
+    segment (Checkmate's ``R`` summed over the segment's stages). With them, a node whose part
+    a re-run of another node ``j`` reads, where ``j``'s window closes first, gets a count of
+    its re-runs up to each stage that matters (``n[p, t]``, non-decreasing), with
+    ``n[p, end] - n[p, v] >= b[p, v]``, and the part is resident at ``v`` unless ``p`` runs
+    again in ``(v, min(end(p, v), end(j, v))]``: ``r >= b[j, v] - (n[p, e] - n[p, v])``. A plan
+    that re-runs ``p`` after ``j``'s re-run, to have it absent later, pays for two re-runs.
+    Costs are rounded down to whole units (no plan is cut off)."""
     model = cp_model.CpModel()
-    reruns: dict[tuple[int, int], cp_model.IntVar] = {}  # (node, segment) -> a re-run in that segment
+    costs, unit = _costs_rounded_down(sg.cost)
+    stages = chosen_stages(sg, events, reads, units)
+    last = [events.recompute[k][-1] if events.recompute[k] else k for k in range(sg.size)]
+
+    def end(p: int, v: int) -> int:
+        return min(windows.end(p, v), last[p])
+
+    counted = _narrow_nodes(sg, reads, stages, end) if reader_windows else {}
+    counts: dict[tuple[int, int], cp_model.IntVar] = {}
+    for p, points in counted.items():
+        previous = None
+        for t in sorted(points):
+            n = model.new_int_var(0, 0 if previous is None else sg.size, f"n{p}_{t}")
+            if previous is not None:
+                model.add(n >= previous)
+            counts[p, t] = n
+            previous = n
+
+    def runs_in(p: int, v: int, e: int) -> cp_model.LinearExprT:
+        return counts[p, e] - counts[p, v] if e > v else 0
+
+    segments: dict[tuple[int, int], cp_model.IntVar] = {}
 
     def again(p: int, v: int) -> cp_model.IntVar:
         b = model.new_bool_var("")
+        if p in counted:
+            model.add(runs_in(p, v, end(p, v)) >= b)
+            model.add(runs_in(p, v, end(p, v)) <= sg.size * b)  # b is 1 for every re-run
+            return b
         key = (p, windows.segment(p, v))
-        if key not in reruns:
-            reruns[key] = model.new_bool_var(f"y{p}_{key[1]}")
-        model.add_implication(b, reruns[key])
+        if key not in segments:
+            segments[key] = model.new_bool_var(f"y{p}_{key[1]}")
+        model.add_implication(b, segments[key])
         return b
 
-    units = memory_units(sg, budget_bytes, persistent_bytes)
-    _stage_cuts(model, sg, events, reads, units, again, chain_key=windows.end)
-    costs, unit = cost_scale(sg.cost)
-    model.minimize(sum(costs[p] * y for (p, _), y in reruns.items()))
-    # rounded costs (measured seconds) can overstate a set's cost by half a unit per re-run
-    slack = 0.0 if all(float(c).is_integer() for c in sg.cost) else 0.5 * len(reruns)
-    rerun = [[y for (p, _), y in reruns.items() if p == k] for k in range(sg.size)]
+    def narrow(v: int, part: Part, j: int, r: cp_model.IntVar, b_j: cp_model.IntVar) -> None:
+        p = part[0]
+        e = min(end(p, v), end(j, v))
+        if p in counted and e < end(p, v):
+            model.add(r >= b_j - runs_in(p, v, e))
 
-    def in_cost_units(bound: float | None) -> float | None:
-        return None if bound is None else float(sum(sg.cost)) + max(0.0, bound - slack) * unit
+    _stage_cuts(model, sg, events, reads, units, again, windows.end, narrow if counted else None)
+    reruns: list[list[cp_model.IntVar]] = [[] for _ in range(sg.size)]
+    for (p, _), y in segments.items():
+        reruns[p].append(y)
+    for p, points in counted.items():
+        reruns[p].append(counts[p, max(points)])
+    model.minimize(sum(costs[p] * x for p, xs in enumerate(reruns) for x in xs))
+    return _CutModel(model, reruns, unit)
 
-    chosen: list[int] = []
-    if backend == "mip":
-        left = seconds - (time.perf_counter() - start)
-        status, fractional = solve_as_mip(model, left, relax=True)
-        lp_bound = in_cost_units(status.bound)
-        if enough is not None and lp_bound is not None and lp_bound >= enough:
-            return CutRelaxation(lp_bound, (), status)
-        if fractional is not None:  # the LP's support, unless the branch and bound finds better
-            chosen = [k for k, ys in enumerate(rerun) if any(fractional[y.index] > 1e-6 for y in ys)]
-        left = seconds - (time.perf_counter() - start)
-        if left > 0.1:
-            found, values = solve_as_mip(model, left)
-            if values is not None:
-                chosen = [k for k, ys in enumerate(rerun) if any(values[y.index] > 0.5 for y in ys)]
-                status = found if (found.bound or 0.0) >= (status.bound or 0.0) else status
-    else:
-        solver, status = solve_cp_sat(model, seconds, workers=workers)
-        if status.status in ("optimal", "feasible"):
-            chosen = [k for k, ys in enumerate(rerun) if any(solver.boolean_value(y) for y in ys)]
-    bound = in_cost_units(status.bound)
-    return CutRelaxation(bound, tuple(k for k in chosen if events.recompute[k]), status)
+
+def _narrow_nodes(
+    sg: SolverGraph, reads: Reads, stages: list[Stage], end: Callable[[int, int], int]
+) -> dict[int, set[int]]:
+    """Nodes ``p`` with a part that a re-run of ``j`` after a cut stage ``v`` reads where
+    ``j``'s window closes before ``p``'s, with the stages their re-run counts are needed at
+    (every ``v`` and window end of ``p``, and those earlier ends)."""
+    narrow: set[int] = set()
+    for v, _fixed, _crossing, movable in stages:
+        again, inputs = set(movable), set(reads.first[v])
+        for j in movable:
+            for part in reads.rerun[j]:
+                p = part[0]
+                if p in again and p != j and p < v and part not in inputs and end(j, v) < end(p, v):
+                    narrow.add(p)
+    points: dict[int, set[int]] = {p: set() for p in narrow}
+    for v, _fixed, _crossing, movable in stages:
+        for p in movable:
+            if p in narrow:
+                points[p].update((v, end(p, v)))
+        for j in movable:
+            for p, _ in reads.rerun[j]:
+                if p in narrow and p in movable and p != j:
+                    points[p].add(min(end(p, v), end(j, v)))
+    return points
+
+
+def _costs_rounded_down(costs: tuple[float, ...]) -> tuple[list[int], float]:
+    """:func:`cost_scale`'s units, each cost rounded down (exact for integral costs): a bound
+    in them is a bound on the real costs."""
+    scaled, unit = cost_scale(costs)
+    if all(float(c).is_integer() for c in costs):
+        return scaled, unit
+    return [max(0, math.floor(c / unit * (1 - 1e-9))) for c in costs], unit
 
 
 def restricted_graph(sg: SolverGraph, nodes: set[int]) -> SolverGraph:
@@ -694,16 +841,24 @@ def _stage_memory(
     size: dict[Part, int],
     rerun_readers: dict[Part, list[int]],
     capacity: int,
+    inputs: set[Part],
+    narrow: Narrow | None = None,
 ) -> None:
-    """The cut of stage ``v`` (see :func:`_stage_cuts`)."""
+    """The cut of stage ``v`` (see :func:`_stage_cuts`). ``v``'s ``inputs`` are in ``fixed``
+    already (resident at its run whatever the plan): counting one again because a later re-run
+    reads it would cut plans off (random 9-op DAGs: a bound of 58 over an optimum of 48)."""
     direct = set(crossing)
-    parts = direct | {part for part in size if part[0] in again or any(j in again for j in rerun_readers.get(part, ()))}
+    parts = direct | {
+        part
+        for part in size
+        if part not in inputs and (part[0] in again or any(j in again for j in rerun_readers.get(part, ())))
+    }
     terms = []
     for part in sorted(parts):
         p, _ = part
         if p >= v:
             continue
-        readers = [again[j] for j in rerun_readers.get(part, ()) if j in again and j != p]
+        readers = [j for j in rerun_readers.get(part, ()) if j in again and j != p]
         b = again.get(p)
         if b is None:
             if part in direct:
@@ -716,8 +871,10 @@ def _stage_memory(
         r = model.new_bool_var("")
         if part in direct:
             model.add_bool_or([r] + ([b] if b is not None else []))
-        for x in readers:
-            model.add_bool_or([r, x.Not()] + ([b] if b is not None else []))
+        for j in readers:
+            model.add_bool_or([r, again[j].Not()] + ([b] if b is not None else []))
+            if narrow is not None and b is not None:
+                narrow(v, part, j, r, again[j])
         terms.append(size[part] * r)
     model.add(sum(terms) <= capacity - fixed)
 

@@ -8,10 +8,10 @@ The portfolio runs, within one time limit, and keeps the cheapest plan that fits
 2. every **baseline** of :mod:`memplan.remat.baselines` on the whole graph (Chen's, Griewank's,
    AP, linearized, Chen's drop-cheap, DTR), within a share of the time: plans in seconds, and
    the warm starts of the solvers;
-3. the **stage cuts' relaxation** (:func:`memplan.remat.moccasin.stage_cut_relaxation`: one
-   re-run flag per node and window segment, the memory at each first run covered by what is
-   re-run after it, solved as a MILP by SCIP), a bound far above the drop cover where re-runs
-   need re-runs,
+3. the **stage cuts' relaxation** (:func:`memplan.remat.moccasin.stage_cut_relaxation`: re-run
+   flags per node and stage window, the memory at each first run covered by what is re-run
+   after it and what those re-runs read before their readers' windows close; its LP, then a
+   MILP solved by SCIP), a bound far above the drop cover where re-runs need re-runs,
    then the CP model over only the nodes its best solution re-runs
    (:func:`memplan.remat.moccasin.solve_restricted`, widened while no plan fits): a small
    model that finds in a second what the whole one misses for minutes;
