@@ -33,6 +33,8 @@ ORDER = [
     "remat_portfolio_gap1",
     "remat_portfolio_n250_60s",
     "budget",
+    "cuda",
+    "cuda_budget",
     "streams",
     "ddp",
     "export",

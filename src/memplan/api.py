@@ -349,7 +349,7 @@ class CompiledStep:
     def _needed_arena_bytes(self) -> int:
         """The largest arena a kept plan uses (0 for a replayed step still recording)."""
         sizes = [
-            (r.plan.arena_bytes if r.plan is not None else 0) if isinstance(r, ReplayedStep) else r.plan.arena_bytes
+            r.arena_block_bytes if isinstance(r, ReplayedStep) else r.plan.arena_bytes
             for r, _ in self._kept.values()
             if id(r) not in self._own_arena
         ]

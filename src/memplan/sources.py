@@ -10,7 +10,7 @@ from memplan.graph.ir import Graph
 
 
 def is_graph_file(source: str) -> bool:
-    return source.endswith(".json") or Path(source).is_file()
+    return source.endswith((".json", ".json.gz")) or Path(source).is_file()
 
 
 def load_source(source: str, *, batch_size: int = 1, mode: str = "train", optimizer: str = "sgd") -> Graph:

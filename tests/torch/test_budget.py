@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import warnings
 
 import pytest
 from typer.testing import CliRunner
@@ -304,3 +305,13 @@ def test_a_budget_no_placed_plan_meets_is_refused_in_one_line(monkeypatch: pytes
     message = str(err.value)
     assert "\n" not in message and "once its arena is placed" in message and "raise memory_budget" in message
     assert not runner.replaying
+
+
+def test_a_budget_off_the_cpu_warns_that_its_peak_is_not_held():
+    from memplan.torch.run.budget import warn_unmeasured_device
+
+    with pytest.warns(UserWarning, match="memory_budget on meta: planned without the kernels' workspace"):
+        warn_unmeasured_device(torch.nn.Linear(2, 2, device="meta"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_unmeasured_device(torch.nn.Linear(2, 2))

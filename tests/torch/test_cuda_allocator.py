@@ -150,7 +150,7 @@ def replaying(lib):
     """Record :func:`a_step`, place it, and start replaying it into a fresh host arena."""
     native, trace = recorded(lib)
     plan = planned(trace)
-    arena = HostArena(plan.arena_bytes)
+    arena = HostArena(native.arena_block_bytes(plan.arena_bytes))
     native.begin_replay(plan, arena.address, arena.nbytes)
     return native, trace, plan, arena
 
@@ -185,13 +185,17 @@ def test_replay_serves_planned_offsets_512_aligned_inside_the_arena(lib, host):
     assert all(o % CUDA_ALIGNMENT_BYTES == 0 for o in plan.offsets if o >= 0)
     pointers = a_step(lib)
     stats = native.end_replay()
+    assert native.arena_lead_bytes == CUDA_ALIGNMENT_BYTES
     for k, pointer in enumerate(pointers):
         if plan.offsets[k] >= 0:
-            assert pointer == arena.address + plan.offsets[k]
+            assert pointer == arena.address + native.arena_lead_bytes + plan.offsets[k]
             assert pointer + trace.sizes[k] <= arena.address + arena.nbytes
             assert (pointer - arena.address) % CUDA_ALIGNMENT_BYTES == 0
         else:
             assert not arena.address <= pointer < arena.address + arena.nbytes
+    # CUDAPluggableAllocator keeps allocations by address: none may share the arena block's
+    assert min(plan.offsets[k] for k in range(len(pointers)) if plan.offsets[k] >= 0) == 0
+    assert arena.address not in pointers
     assert (stats.served, stats.fallback, stats.blocked, stats.diverged_at, stats.arena_alive_after) == (
         3,
         1,
@@ -372,6 +376,15 @@ class VerifiedCpu(NativeReplay):
     def __init__(self, corrupt: torch.Tensor | None = None) -> None:
         super().__init__(allocator.load(), allocator.CPU_ALIGNMENT_BYTES)
         self.corrupt = corrupt
+        self.calls: list[str] = []
+
+    def begin_replay(self, *args):
+        self.calls.append("replay")
+        super().begin_replay(*args)
+
+    def release_free_memory(self) -> None:
+        self.calls.append("release")
+        super().release_free_memory()
 
     def end_replay(self):
         stats = super().end_replay()
@@ -409,6 +422,9 @@ def test_a_verified_replay_keeps_replaying():
     runner = next(iter(step.runners.values()))
     assert isinstance(runner.native, VerifiedCpu)
     assert step.allocator == "replay" and runner.refused is None and runner.replays >= 2
+    # the verifying rerun's freed blocks go back: replayed steps never ask for them again
+    first = runner.native.calls.index("replay")
+    assert "release" in runner.native.calls[first:]
 
 
 @pytest.mark.skipif(not allocator.available(), reason="the planned CPU allocator needs a C++ compiler")

@@ -20,7 +20,9 @@ back in the arena (an all-reduce bucket).
 
 from __future__ import annotations
 
+import gzip
 import json
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -117,13 +119,17 @@ def write_graph_json(graph: Graph, path: str | Path) -> None:
 
 
 def read_graph_json(path: str | Path) -> Graph:
+    """A GRAPH.json file (gzip-compressed when its name ends in ``.gz``)."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
+        raw = path.read_bytes()
+        data = json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)
     except FileNotFoundError:
         raise GraphFormatError(f"{path}: no such file") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise GraphFormatError(f"{path}: not valid JSON ({err})") from None
+    except (gzip.BadGzipFile, EOFError, zlib.error) as err:
+        raise GraphFormatError(f"{path}: not a gzip file ({err})") from None
     return graph_from_dict(data, str(path))
 
 

@@ -49,7 +49,7 @@ RANDOM_KIND_MARKERS = (
     "geometric",
     "log_normal",
 )
-BATCH_NORM_KINDS = frozenset({"native_batch_norm", "_native_batch_norm_legit"})
+BATCH_NORM_KINDS = frozenset({"native_batch_norm", "_native_batch_norm_legit", "cudnn_batch_norm"})
 """Batch norms whose only side effect is the update of the running statistics they are given."""
 
 

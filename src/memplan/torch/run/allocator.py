@@ -275,6 +275,8 @@ class NativeReplay:
     covered by the tests, so it does not ask for it."""
 
     verify_first_replay = False
+    # bytes the arena block holds before the plan's offset 0 (see :class:`CudaReplay`)
+    arena_lead_bytes = 0
 
     def __init__(self, lib: ctypes.CDLL, alignment_bytes: int) -> None:
         self.lib = lib
@@ -313,10 +315,16 @@ class NativeReplay:
             self.alignment_bytes,
         )
 
+    def arena_block_bytes(self, plan_arena_bytes: int) -> int:
+        """The arena block a plan of ``plan_arena_bytes`` needs here (its lead included)."""
+        return plan_arena_bytes + self.arena_lead_bytes
+
     def begin_replay(self, plan: ReplayPlan | BranchedPlan, arena_address: int, arena_bytes: int) -> None:
-        """Serve the plan's allocations at ``arena_address + offset`` until :meth:`end_replay`."""
+        """Serve the plan's allocations at ``arena_address + arena_lead_bytes + offset`` until
+        :meth:`end_replay`; ``arena_address``/``arena_bytes``: the whole arena block."""
         if isinstance(plan, ReplayPlan):
             plan = BranchedPlan.single(plan)
+        arena_address, arena_bytes = arena_address + self.arena_lead_bytes, arena_bytes - self.arena_lead_bytes
         if arena_bytes < plan.arena_bytes:
             raise MemplanError(f"the arena holds {arena_bytes} bytes, the plan needs {plan.arena_bytes}")
         if arena_address % ARENA_BASE_ALIGNMENT_BYTES:

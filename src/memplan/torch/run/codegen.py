@@ -251,7 +251,7 @@ def _plain_call(w: _Writer, ins: Any, stats: dict[str, Any]) -> None:
         meta = ins.fresh[0].meta
         empty = w.constant(torch.empty_strided, "fn")
         size, stride = w.constant(tuple(meta.shape), "size"), w.constant(tuple(meta.stride()), "stride")
-        device = w.constant(w.runner.arena.device, "device")
+        device = w.constant(meta.device, "device")
         _store(w, node, f"{empty}({size}, {stride}, dtype={w.constant(meta.dtype, 'dtype')}, device={device})")
         write = w.constant(ARENA_KERNELS[node.target._schema.name].write, "write")
         w.emit(f"{write}({w.local[node.name]}, {w.call_args(node)})")

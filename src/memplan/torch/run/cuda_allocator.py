@@ -94,6 +94,11 @@ class CudaReplay(NativeReplay):
     every plan is verified against PyTorch's allocator: no GPU was lent where it was written."""
 
     verify_first_replay = True
+    # CUDAPluggableAllocator keeps its allocations by address: a planned block at offset 0 would
+    # have the arena block's own address, freeing it would drop the arena's record, and freeing
+    # the arena then aborts ("Trying to free a pointer not allocated here", seen on an H100).
+    # So offset 0 starts one block into the arena.
+    arena_lead_bytes = CUDA_ALIGNMENT_BYTES
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         super().__init__(lib, CUDA_ALIGNMENT_BYTES)

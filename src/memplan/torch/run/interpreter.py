@@ -382,7 +382,7 @@ class StepRunner:
                     self.stats.inplace_bytes += result.untyped_storage().nbytes()
                 elif ins.strategy == "kernel":
                     meta = ins.fresh[0].meta
-                    result = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device=self.arena.device)
+                    result = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device=meta.device)
                     ARENA_KERNELS[ins.node.target._schema.name].write(result, *args, **kwargs)
                 else:
                     result = ins.node.target(*args, **kwargs)
@@ -708,10 +708,15 @@ def _to_copy_into(out: torch.Tensor, source: torch.Tensor, **options: Any) -> No
     out.copy_(source, non_blocking=bool(options.get("non_blocking", False)))
 
 
+def _embedding_backward_applies(args: tuple, kwargs: dict | None = None) -> bool:
+    """Without ``scale_grad_by_freq``, on the CPU only: CUDA's kernel sums in another order (and
+    its ``index_add_`` is not deterministic), so there the op runs as it is."""
+    grad = args[0].meta.get("val") if args and isinstance(args[0], torch.fx.Node) else (args or (None,))[0]
+    return len(args) > 4 and args[4] is False and isinstance(grad, torch.Tensor) and grad.device.type == "cpu"
+
+
 ARENA_KERNELS = {
-    "aten::embedding_dense_backward": ArenaKernel(
-        applies=lambda args, kwargs=None: len(args) > 4 and args[4] is False, write=_embedding_backward_into
-    ),
+    "aten::embedding_dense_backward": ArenaKernel(applies=_embedding_backward_applies, write=_embedding_backward_into),
     "aten::_to_copy": ArenaKernel(applies=_to_copy_applies, write=_to_copy_into),
 }
 

@@ -34,6 +34,9 @@ from memplan.torch.tensors import storage_key
 _NO_STATS = {
     "aten::native_batch_norm": lambda args: (*args[:3], None, None, *args[5:]),
     "aten::_native_batch_norm_legit": lambda args: (*args[:3], *args[5:]),
+    # cuDNN takes null running statistics (cudnnBatchNormalizationForwardTraining allows it);
+    # its outputs depend on the batch alone
+    "aten::cudnn_batch_norm": lambda args: (*args[:3], None, None, *args[5:]),
 }
 
 
@@ -48,8 +51,8 @@ def first_run_order(steps: Sequence[Step]) -> tuple[int, ...]:
 
 def batch_norm_recompute(target: Any, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
     """The call that recomputes a training-mode batch norm without touching its running
-    statistics: ``native_batch_norm`` with ``None`` for them, or ``_native_batch_norm_legit``'s
-    ``no_stats`` overload."""
+    statistics: ``native_batch_norm`` (or cuDNN's ``cudnn_batch_norm``) with ``None`` for them,
+    or ``_native_batch_norm_legit``'s ``no_stats`` overload."""
     name = target._schema.name
     if name not in _NO_STATS:
         raise UnsupportedOp(f"cannot recompute {target} without its side effect")

@@ -135,12 +135,16 @@ class ReplayedStep:
             self.refused = f"{reason}: replay given up"
             self.plan = None
             self.shared.release()
+        # the rerun's blocks, freed into the allocator's cache, are never asked for again by
+        # replayed steps: give them back (on an H100, ResNet-50 at batch 32 held 2.2x eager's
+        # reserved bytes without this)
+        self.native.release_free_memory()
         return result
 
     def _replay(self, batch: Any) -> Any:
         """One step with every planned allocation at its offset."""
         assert self.plan is not None
-        arena = self.shared.reserve(self.plan.arena_bytes)
+        arena = self.shared.reserve(self.arena_block_bytes)
         self.native.begin_replay(self.plan, arena.data_ptr(), arena.numel())
         try:
             result = self.run(batch)
@@ -190,6 +194,11 @@ class ReplayedStep:
         return self.plan is not None and stats is not None and stats.diverged_at is None and self._pending is None
 
     @property
+    def arena_block_bytes(self) -> int:
+        """The arena block the plan needs (0 while recording): its offsets plus the allocator's lead."""
+        return 0 if self.plan is None else self.native.arena_block_bytes(self.plan.arena_bytes)
+
+    @property
     def arena(self) -> torch.Tensor:
         """The arena block this step replays into (empty until planned, or while released)."""
         return self.shared.tensor
@@ -230,7 +239,7 @@ class ReplayedStep:
         # this untimed step, not on first touch in the first replayed step)
         self._previous = None
         self.native.release_free_memory()
-        self.shared.reserve(solved.arena_bytes)
+        self.shared.reserve(self.native.arena_block_bytes(solved.arena_bytes))
         self.planning_seconds += time.perf_counter() - start
         self.plan = branched_plan(trie, offsets, solved.arena_bytes)
         self.traces = list(traces)
