@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import warnings
+from collections import Counter
 
 import pytest
 from typer.testing import CliRunner
@@ -315,3 +316,34 @@ def test_a_budget_off_the_cpu_warns_that_its_peak_is_not_held():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warn_unmeasured_device(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (none here): run with -m gpu where one is lent"
+)
+def test_a_budget_step_on_cuda_recomputes_cudnn_batch_norms_like_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The remat plan of a conv/BN step captured on a GPU re-runs cuDNN's batch norm without
+    its running statistics, and trains bit for bit like eager (cuDNN's deterministic kernels)."""
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    model = _cnn().cuda().train()
+    eager = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1, momentum=0.9)
+    batch = tuple(t.cuda() for t in _batch("cnn"))
+    with pytest.warns(UserWarning, match="memory_budget on cuda"):
+        step = memplan.compile_step(
+            model, opt, torch.nn.functional.cross_entropy, batch, memory_budget="70%", allocator="views"
+        )
+    runner = step.runners[next(iter(step.runners))]
+    assert isinstance(runner, RematRunner)
+    runs = Counter(i for kind, i in runner.steps if kind == "run")
+    rerun = {runner.graph.ops[i].kind for i, count in runs.items() if count > 1}
+    assert "aten.cudnn_batch_norm.default" in rerun, rerun
+    for k in range(3):
+        torch.manual_seed(100 + k)
+        expected = _eager_step(eager, eager_opt, batch)
+        torch.manual_seed(100 + k)
+        assert torch.equal(expected, step(batch))
+        assert all(torch.equal(a, b) for a, b in zip(_state(eager), _state(model), strict=True))
