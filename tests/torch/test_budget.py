@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
+import sys
 import warnings
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -318,15 +322,11 @@ def test_a_budget_off_the_cpu_warns_that_its_peak_is_not_held():
         warn_unmeasured_device(torch.nn.Linear(2, 2))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device (none here): run with -m gpu where one is lent"
-)
-def test_a_budget_step_on_cuda_recomputes_cudnn_batch_norms_like_eager(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The remat plan of a conv/BN step captured on a GPU re-runs cuDNN's batch norm without
-    its running statistics, and trains bit for bit like eager (cuDNN's deterministic kernels)."""
-    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
-    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+def _cuda_budget_check() -> None:
+    """A conv/BN step on the GPU under a 70% budget: its remat plan re-runs cuDNN's batch norm,
+    and it trains bit for bit like eager (cuDNN's deterministic kernels). Run in a fresh process
+    by the test below."""
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     model = _cnn().cuda().train()
     eager = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -347,3 +347,20 @@ def test_a_budget_step_on_cuda_recomputes_cudnn_batch_norms_like_eager(monkeypat
         torch.manual_seed(100 + k)
         assert torch.equal(expected, step(batch))
         assert all(torch.equal(a, b) for a, b in zip(_state(eager), _state(model), strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (none here): run with -m gpu where one is lent"
+)
+def test_a_budget_step_on_cuda_recomputes_cudnn_batch_norms_like_eager() -> None:
+    """In its own process: on an H100 this step once killed the test process (a fatal error in
+    eager's first forward after the planned one was compiled; cause not found yet)."""
+    here = Path(__file__).resolve().parent
+    code = f"import sys; sys.path.insert(0, {str(here)!r}); import test_budget; test_budget._cuda_budget_check()"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(here.parents[1] / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
