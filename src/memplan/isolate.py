@@ -11,8 +11,8 @@ pickle; the parent's heap never sees the solver's allocations. The child shares 
 memory copy-on-write and touches only what the solver reads, and it never runs torch: what is
 solved here is the pure-Python core (graphs, placement problems), which never imports it.
 Forking is Linux-only here (where RSS is what the user sees and ``fork`` is cheap and safe for
-code that does not touch torch); elsewhere, or with ``MEMPLAN_SOLVE_IN_PROCESS=1``, the function
-runs in this process.
+code that does not touch torch), and never once the process has started CUDA; elsewhere, or with
+``MEMPLAN_SOLVE_IN_PROCESS=1``, the function runs in this process.
 """
 
 from __future__ import annotations
@@ -31,8 +31,24 @@ IN_PROCESS_ENV = "MEMPLAN_SOLVE_IN_PROCESS"
 
 
 def forking_enabled() -> bool:
-    """Whether :func:`in_child` forks (Linux, unless ``MEMPLAN_SOLVE_IN_PROCESS=1``)."""
-    return sys.platform == "linux" and hasattr(os, "fork") and os.environ.get(IN_PROCESS_ENV, "") in ("", "0")
+    """Whether :func:`in_child` forks (Linux, unless ``MEMPLAN_SOLVE_IN_PROCESS=1``, and not
+    once this process has started CUDA: :func:`cuda_started`)."""
+    if sys.platform != "linux" or not hasattr(os, "fork") or cuda_started():
+        return False
+    return os.environ.get(IN_PROCESS_ENV, "") in ("", "0")
+
+
+def cuda_started() -> bool:
+    """Whether this process holds a CUDA context (torch loaded by the caller, CUDA initialised).
+
+    The CUDA runtime does not support ``fork`` once it is initialised (PyTorch's
+    multiprocessing notes), and on an H100 a process that planned a budget on CUDA died in its
+    next CUDA call (a fatal error in a convolution's forward, cause not found): with CUDA
+    started the solvers run in this process. torch is never imported here."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    started = getattr(cuda, "is_initialized", None)
+    return bool(started()) if callable(started) else False
 
 
 def in_child(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
+import types
 
 import pytest
 
 from memplan.errors import MemplanError
-from memplan.isolate import IN_PROCESS_ENV, forking_enabled, in_child
+from memplan.isolate import IN_PROCESS_ENV, cuda_started, forking_enabled, in_child
 
 pytestmark = pytest.mark.skipif(not forking_enabled(), reason="solving in a child forks on Linux only")
 
@@ -60,4 +62,16 @@ def test_what_the_child_keeps_stays_in_the_child(monkeypatch: pytest.MonkeyPatch
 def test_the_environment_variable_keeps_the_solve_in_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(IN_PROCESS_ENV, "1")
     assert not forking_enabled()
+    assert in_child(os.getpid) == os.getpid()
+
+
+def test_a_process_that_started_cuda_solves_in_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fork`` is unsupported once CUDA is initialised: then the solve stays in this process.
+    A stand-in module plays torch (this machine has no GPU)."""
+    initialised = [False]
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: initialised[0]))
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    assert forking_enabled() and in_child(os.getpid) != os.getpid()
+    initialised[0] = True
+    assert cuda_started() and not forking_enabled()
     assert in_child(os.getpid) == os.getpid()

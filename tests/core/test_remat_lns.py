@@ -29,6 +29,18 @@ def _start(seed: int, fraction: float):  # type: ignore[no-untyped-def]
     return graph, problem, sg, start
 
 
+def _record_kinds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Neighbourhoods that record their kinds, in order, and free nothing."""
+    kinds: list[str] = []
+
+    def record(self: Neighbourhoods, kind: str, *_args: object) -> set[int]:
+        kinds.append(kind)
+        return set()
+
+    monkeypatch.setattr(Neighbourhoods, "pick", record)
+    return kinds
+
+
 def _runs(rows: list[list[int]], k: int) -> list[int]:
     return [t for t, row in enumerate(rows) if k in row]
 
@@ -169,6 +181,44 @@ def test_a_guided_neighbourhood_frees_the_guide_and_every_re_run() -> None:
         assert free <= set(chooser.movable) | rerun_nodes(rows)  # type: ignore[arg-type]
 
 
+def test_a_disagree_neighbourhood_frees_where_the_plan_and_the_guide_differ() -> None:
+    """The disagree kind (RINS) frees the nodes re-run by the plan or by the guide but not
+    both, and of the nodes both re-run at most half the room left; only re-runnable nodes."""
+    _graph, _problem, sg, start = _start(12, 0.8)
+    chooser = Neighbourhoods(sg)
+    rows = start.details["rows"]
+    again = rerun_nodes(rows)  # type: ignore[arg-type]
+    shared = sorted(again)[: len(again) // 2]
+    others = [k for k in chooser.movable if k not in again][:2]
+    guide = frozenset({*shared, *others, sg.size - 1})
+    differ = again ^ (guide & set(chooser.movable))
+    assert differ and shared
+    for size in (len(differ), len(differ) + 4, 40):
+        free = chooser.pick("disagree", rows, size, guide)  # type: ignore[arg-type]
+        assert differ <= free and free <= differ | set(shared)
+        assert len(free - differ) <= (size - len(differ)) // 2
+    small = chooser.pick("disagree", rows, 1, guide)  # type: ignore[arg-type]
+    assert len(small) == 1 and small <= differ
+
+
+def test_disagree_rounds_only_while_a_guided_round_would_be_too_large(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a guide of more than :data:`GUIDED_MAX_NODES` nodes no round is guided and the
+    rotation has disagree rounds; with a small guide, the guided rounds and the plain kinds."""
+    from memplan.solvers import SolveStatus
+
+    _graph, problem, sg, start = _start(12, 0.8)
+    kinds = _record_kinds(monkeypatch)
+    nothing = SolveStatus("unknown", None, None, None, 0.0)
+    monkeypatch.setattr(lns, "solve_neighbourhood", lambda *_: (None, nothing, {}))
+    movable = Neighbourhoods(sg).movable
+    monkeypatch.setattr(lns, "GUIDED_MAX_NODES", len(rerun_nodes(start.details["rows"]) | {movable[0]}))  # type: ignore[arg-type]
+    improve(problem, sg, start, 60.0, 3, stop=lambda _: len(kinds) >= 10, guide=frozenset(movable[:1]))
+    assert kinds[0] == "guided" and "disagree" not in kinds
+    kinds.clear()
+    improve(problem, sg, start, 60.0, 3, stop=lambda _: len(kinds) >= 10, guide=frozenset(movable))
+    assert kinds == list(lns.GUIDE_KINDS) * 2
+
+
 def test_pressure_is_the_bytes_a_node_keeps_across_the_stages_over_the_budget() -> None:
     """By hand on the twice-read graph at 25 B: ``big1``, ``c1``, ``big2`` and ``c2`` are over
     the budget with every part kept; ``A`` (10 B) crosses all four, ``X1`` (1 B) too, ``C1`` and
@@ -206,18 +256,13 @@ def test_guided_rounds_back_off_while_they_find_nothing_and_return_once_one_does
     from memplan.solvers import SolveStatus
 
     _graph, problem, sg, start = _start(12, 0.8)
-    kinds: list[str] = []
-
-    def record(self: Neighbourhoods, kind: str, *_args: object) -> set[int]:
-        kinds.append(kind)
-        return set()
+    kinds = _record_kinds(monkeypatch)
 
     def answer(*_args: object) -> tuple[object, SolveStatus, dict[str, object]]:
         if len(kinds) - 1 == 12:
             return replace(start, compute_cost=start.compute_cost / 2), SolveStatus("optimal", 0, 0, 0, 0.0), {}
         return None, SolveStatus("unknown", None, None, None, 0.0), {}
 
-    monkeypatch.setattr(Neighbourhoods, "pick", record)
     monkeypatch.setattr(lns, "solve_neighbourhood", answer)
     guide = frozenset(Neighbourhoods(sg).movable[:1])
     found = improve(problem, sg, start, 60.0, 3, stop=lambda _: len(kinds) >= 60, guide=guide)

@@ -448,16 +448,38 @@ def test_without_the_reader_windows_lp_in_time_the_segments_still_bound(monkeypa
     segments, _ = stage_cut_bound(sg, budget, graph.persistent_bytes, 10.0, workers=1)
     calls: list[int] = []
 
-    def first_lp_out_of_time(model: cp_model.CpModel, seconds: float, **kwargs: object):  # type: ignore[no-untyped-def]
+    def second_lp_out_of_time(model: cp_model.CpModel, seconds: float, **kwargs: object):  # type: ignore[no-untyped-def]
         calls.append(len(model.proto.variables))
-        if len(calls) == 1:
+        if len(calls) == 2:
             return SolveStatus("unknown", None, None, None, seconds), None
         return solve_as_mip(model, seconds, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(moccasin, "solve_as_mip", first_lp_out_of_time)
+    monkeypatch.setattr(moccasin, "solve_as_mip", second_lp_out_of_time)
     relaxed = stage_cut_relaxation(sg, budget, graph.persistent_bytes, 10.0, workers=1)
-    assert len(calls) == 3  # the reader windows' LP, the segments' LP, their branch and bound
+    assert len(calls) == 3  # the segments' LP, the reader windows' LP, the segments' branch and bound
+    assert calls[1] > calls[0]  # the reader windows' model has the re-run counts besides
     assert relaxed.bound == pytest.approx(segments) and relaxed.rerun
+
+
+def test_where_the_reader_windows_bind_no_branch_and_bound_takes_the_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 14-op DAG at 0.7 of its peak, where the reader windows' LP bounds more than the
+    segments' LP: the two LPs are solved and the segments' branch and bound is not (its bound
+    stays below theirs); the relaxation returns well within its time."""
+    graph = small_graph(18, num_ops=14)
+    budget = int(checkpoint_all(RematProblem(graph, 10**9)).peak_bytes * 0.7)
+    sg = identity(RematProblem(graph, budget))
+    relaxed_calls: list[bool] = []
+
+    def spy(model: cp_model.CpModel, seconds: float, **kwargs: object):  # type: ignore[no-untyped-def]
+        relaxed_calls.append(bool(kwargs.get("relax")))
+        return solve_as_mip(model, seconds, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(moccasin, "solve_as_mip", spy)
+    relaxed = stage_cut_relaxation(sg, budget, graph.persistent_bytes, 10.0, workers=1)
+    segments, _ = stage_cut_bound(sg, budget, graph.persistent_bytes, 10.0, workers=1)
+    assert relaxed_calls == [True, True]
+    assert relaxed.bound is not None and segments is not None and relaxed.bound > segments + 0.3
+    assert relaxed.status.seconds < 5.0 and relaxed.rerun
 
 
 @pytest.mark.parametrize("budget", [14, 15, 17, 30])  # checkpoint-all peaks at 17
