@@ -14,6 +14,7 @@ import os
 import random
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,15 @@ from memplan.graph.io import write_graph_json
 from memplan.remat import STRATEGIES, RematProblem, rematerialize
 from memplan.remat import highs as highs_backend
 from memplan.remat.baselines import solver_graph
-from memplan.remat.highs import WORKER, Milp, highs_available, milp_from_cp_model, solve_highs, solve_milp
+from memplan.remat.highs import (
+    WORKER,
+    Milp,
+    MilpInBackground,
+    highs_available,
+    milp_from_cp_model,
+    solve_highs,
+    solve_milp,
+)
 from memplan.remat.highs_worker import EXIT_NO_HIGHS, MISSING_HIGHS
 from memplan.remat.lower import sequence_peak_bytes, validate_sequence
 from memplan.remat.milp import best_baseline, build_model, complete_hints, solve_checkmate
@@ -79,6 +88,21 @@ def test_export_handles_negated_literals_and_enforced_bool_and() -> None:
         feasible = x[0] + x[1] >= 1 and (not x[2] or (x[0] and not x[1]))
         assert (milp.violation(np.array(x, dtype=float)) <= 0) == feasible
         assert milp.evaluate(np.array(x, dtype=float)) == 3 * x[0] + 2 * x[1] - 5 * x[2] + 1
+
+
+def test_export_turns_a_bool_or_into_at_least_one_literal() -> None:
+    model = cp_model.CpModel()
+    a, b, c = (model.new_bool_var(n) for n in "abc")
+    model.add_bool_or([a, b.Not(), c])
+    model.minimize(a + c)
+    milp = milp_from_cp_model(model.proto)
+    for x in itertools.product((0, 1), repeat=3):
+        assert (milp.violation(np.array(x, dtype=float)) <= 0) == bool(x[0] or not x[1] or x[2])
+    enforced = cp_model.CpModel()
+    d, e = enforced.new_bool_var("d"), enforced.new_bool_var("e")
+    enforced.add_bool_or([d]).only_enforce_if(e)
+    with pytest.raises(MemplanError, match="unsupported constraint"):
+        milp_from_cp_model(enforced.proto)
 
 
 @pytest.mark.parametrize(("layers", "fraction"), [(6, 0.9), (8, 0.8), (8, 0.7)])
@@ -171,6 +195,26 @@ def test_highs_solves_a_small_milp() -> None:
     infeasible = small_milp()
     infeasible.add_row({1: 1.0}, -np.inf, 0.0)
     assert solve_milp(infeasible, 5.0)[0].status == "infeasible"
+
+
+@needs_highs
+def test_a_milp_in_the_background_answers_as_in_the_foreground() -> None:
+    """poll() never waits and gives the answer once the child has ended; finish() waits;
+    closing kills a child still running and removes its files."""
+    with MilpInBackground(small_milp(), 5.0) as child:
+        status, x = child.finish(30.0)
+        assert child.poll() == (status, x)
+    foreground, y = solve_milp(small_milp(), 5.0)
+    assert status == replace(foreground, seconds=status.seconds) and x is not None and list(x) == list(y)
+    failed = MilpInBackground(small_milp(), 5.0)
+    failed._process.wait()
+    failed._process = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(7)"])  # a worker that died
+    assert failed.finish(30.0)[0].status == "unknown"  # in the background: no bound, no error
+    failed.close()
+    running = MilpInBackground(small_milp(), 5.0, nice=5)
+    folder = running._src.parent
+    running.close()
+    assert running._process.returncode is not None and not folder.exists()
 
 
 @needs_highs

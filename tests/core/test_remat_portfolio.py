@@ -24,9 +24,11 @@ from memplan.remat import STRATEGIES, RematProblem, memory_floor, moccasin, solv
 from memplan.remat.baselines import BASELINES, checkpoint_all, solver_graph
 from memplan.remat.bounds import SCOPE as COVER_SCOPE
 from memplan.remat.coarsen import coarsen, identity, refine_rows
+from memplan.remat.highs import highs_available
 from memplan.remat.lower import InvalidPlan, lower, schedule_from_decisions, sequence_peak_bytes, validate_sequence
 from memplan.remat.milp import _finish, solve_checkmate
 from memplan.remat.moccasin import (
+    CutMilp,
     CutRelaxation,
     RerunWindows,
     _phase1,
@@ -480,6 +482,83 @@ def test_where_the_reader_windows_bind_no_branch_and_bound_takes_the_time(monkey
     assert relaxed_calls == [True, True]
     assert relaxed.bound is not None and segments is not None and relaxed.bound > segments + 0.3
     assert relaxed.status.seconds < 5.0 and relaxed.rerun
+
+
+needs_highs = pytest.mark.skipif(not highs_available(), reason="HiGHS is optional (pip install highspy)")
+
+
+@needs_highs
+@pytest.mark.parametrize(("seed", "fraction"), [(18, 0.7), (24, 0.8), (25, 0.9), (31, 0.8)])
+def test_the_cut_milp_bounds_no_more_than_the_cp_models_optimum(
+    seed: int, fraction: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HiGHS on the cuts with reader windows, in the background (CutMilp), bounds the CP
+    model's optimum in program order from below, and no less than their LP (the 14-op DAG at
+    0.7: the LP 91.4, the optimum 94)."""
+    graph = small_graph(seed, num_ops=14 if seed == 18 else 9)
+    budget = int(checkpoint_all(RematProblem(graph, 10**9)).peak_bytes * fraction)
+    problem = RematProblem(graph, budget, time_limit_seconds=30.0, workers=1)
+    sg = identity(problem)
+    milp = CutMilp(sg, budget, graph.persistent_bytes, 20.0)
+    try:
+        bound = milp.finish(60.0)
+    finally:
+        milp.close()
+    lp = stage_cut_relaxation(sg, budget, graph.persistent_bytes, 10.0, workers=1, backend="mip")
+    monkeypatch.setattr(moccasin, "CUTS_MIN_GAIN", math.inf)
+    _, optimum, _ = solve_moccasin(problem, sg, runs_per_node=3)
+    assert optimum.status == "optimal" and optimum.objective is not None and bound is not None
+    assert bound <= optimum.objective + 1e-9
+    if seed == 18:
+        assert lp.bound is not None and bound >= lp.bound - 1e-6 and lp.bound > 91.3
+
+
+@needs_highs
+def test_the_portfolio_takes_the_cut_milps_bound_and_never_leaves_its_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With time enough, the portfolio starts HiGHS on the cuts in the background; the child
+    is gone when the solve ends (here the CP model proves its plan first), also when a later
+    member of the portfolio raises; once HiGHS has ended, its bound counts."""
+    from memplan.remat import portfolio
+
+    children: list[CutMilp] = []
+
+    class Recorded(CutMilp):
+        def __init__(self, *args: object) -> None:
+            super().__init__(*args)  # type: ignore[arg-type]
+            children.append(self)
+
+    monkeypatch.setattr(portfolio, "CutMilp", Recorded)
+    graph = small_graph(19, 14)
+    budget = int(checkpoint_all(RematProblem(graph, 10**9)).peak_bytes * 0.85)
+    plan = solve_remat(graph, budget, 14.0, workers=1)
+    assert plan.feasible and len(children) == 1 and children[0].child._process.returncode is not None
+
+    class Ended:
+        """A CutMilp whose HiGHS has ended with a bound."""
+
+        closed = False
+
+        def poll(self) -> float:
+            return plan.plain_cost + 1.0
+
+        def close(self) -> None:
+            self.closed = True
+
+    run = portfolio._Portfolio(RematProblem(graph, budget, time_limit_seconds=5.0), 0.0, 0.001, print, ("moccasin",))
+    run.best, run.cut_milp = plan, Ended()  # type: ignore[assignment]
+    ended = run.cut_milp
+    run.proven()
+    assert run.bound == plan.plain_cost + 1.0 and ended.closed and run.cut_milp is None  # type: ignore[attr-defined]
+    assert [a["bound"] for a in run.attempts if a["name"] == "stage-cut MILP (HiGHS)"] == [plan.plain_cost + 1.0]
+
+    def fail(*_args: object) -> None:
+        raise RuntimeError("a member of the portfolio failed")
+
+    monkeypatch.setattr(portfolio._Portfolio, "neighbourhoods", fail)
+    monkeypatch.setattr(portfolio._Portfolio, "moccasin", fail)
+    with pytest.raises(RuntimeError, match="failed"):
+        solve_remat(graph, budget, 14.0, workers=1)
+    assert len(children) == 2 and children[1].child._process.returncode is not None
 
 
 @pytest.mark.parametrize("budget", [14, 15, 17, 30])  # checkpoint-all peaks at 17

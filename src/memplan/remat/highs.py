@@ -147,6 +147,9 @@ def _export_constraint(milp: Milp, constraint: Any) -> None:
     elif constraint.has_bool_and():
         for lit in constraint.bool_and.literals:
             _export_implication(milp, enforcement, lit)
+    elif constraint.has_bool_or() and not enforcement:
+        literals = list(constraint.bool_or.literals)
+        _export_linear(milp, literals, [1] * len(literals), [1, len(literals)])
     else:
         raise MemplanError(f"HiGHS export: unsupported constraint {str(constraint).split()[0]}")
 
@@ -199,30 +202,81 @@ def solve_milp(
     milp: Milp, time_limit_seconds: float, *, threads: int = 1, mip_abs_gap: float = 1e-6
 ) -> tuple[SolveStatus, np.ndarray | None]:
     """Solve ``milp`` with HiGHS in a child process; the status (as CP-SAT's) and ``x``."""
-    require_highs()
-    options = {"time_limit": time_limit_seconds, "threads": threads, "mip_rel_gap": 0.0, "mip_abs_gap": mip_abs_gap}
-    with tempfile.TemporaryDirectory(prefix="memplan-highs-") as tmp:
-        src, dst = Path(tmp, "milp.npz"), Path(tmp, "solution.npz")
-        np.savez(src, **milp.arrays(options))
-        meta, x = _run_worker(src, dst, time_limit_seconds + GRACE_SECONDS)
-    status = SolveStatus(meta["status"], meta["objective"], meta["bound"], meta["gap"], meta["seconds"])
-    return status, x
+    with MilpInBackground(milp, time_limit_seconds, threads=threads, mip_abs_gap=mip_abs_gap) as child:
+        return child.finish(time_limit_seconds + GRACE_SECONDS, strict=True)
 
 
-def _run_worker(src: Path, dst: Path, timeout: float) -> tuple[dict[str, Any], np.ndarray | None]:
-    command = [sys.executable, str(WORKER), str(src), str(dst)]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired:
-        return {"status": "unknown", "objective": None, "bound": None, "gap": None, "seconds": timeout}, None
-    if done.returncode == EXIT_NO_HIGHS:
-        raise MemplanError(MISSING_HIGHS)
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-        raise MemplanError(f"HiGHS worker failed: {last}")
-    with np.load(dst, allow_pickle=False) as out:
-        meta, x = json.loads(str(out["meta"])), out["x"]
-    return meta, (x if len(x) else None)
+class MilpInBackground:
+    """:func:`solve_milp` started in a child process that runs while this one goes on (one
+    core each: HiGHS's branch and bound is mostly serial). :meth:`poll` answers without
+    waiting, :meth:`finish` waits; leaving the ``with`` block kills a child still running.
+    Out of time before a solution, the status is "unknown" and ``bound`` is HiGHS's bound.
+    ``nice``: the child lowers its priority by this much (Linux), to use what this process
+    leaves idle."""
+
+    def __init__(
+        self, milp: Milp, time_limit_seconds: float, *, threads: int = 1, mip_abs_gap: float = 1e-6, nice: int = 0
+    ) -> None:
+        require_highs()
+        options = {"time_limit": time_limit_seconds, "threads": threads, "mip_rel_gap": 0.0, "mip_abs_gap": mip_abs_gap}
+        options["nice"] = nice
+        self._tmp = tempfile.TemporaryDirectory(prefix="memplan-highs-")
+        folder = Path(self._tmp.name)
+        self._src, self._dst = folder / "milp.npz", folder / "solution.npz"
+        np.savez(self._src, **milp.arrays(options))
+        self._stderr = (folder / "stderr.txt").open("w+")
+        command = [sys.executable, str(WORKER), str(self._src), str(self._dst)]
+        self._process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self._stderr, text=True)
+        self._answer: tuple[SolveStatus, np.ndarray | None] | None = None
+        self._strict = False
+
+    def __enter__(self) -> MilpInBackground:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def poll(self) -> tuple[SolveStatus, np.ndarray | None] | None:
+        """The answer once the child has ended, else None (never waits)."""
+        if self._answer is None and self._process.poll() is not None:
+            self._answer = self._read()
+        return self._answer
+
+    def finish(self, wait_seconds: float, strict: bool = False) -> tuple[SolveStatus, np.ndarray | None]:
+        """The answer, waiting up to ``wait_seconds`` (then the child is killed: "unknown").
+        ``strict``: a failed worker raises its one-line :class:`MemplanError` (else "unknown")."""
+        self._strict = strict
+        try:
+            self._process.wait(timeout=max(0.0, wait_seconds))
+        except subprocess.TimeoutExpired:
+            self.close()
+            return SolveStatus("unknown", None, None, None, wait_seconds), None
+        answer = self.poll()
+        assert answer is not None
+        return answer
+
+    def close(self) -> None:
+        """Kill the child if it still runs; remove its files."""
+        if self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+        self._stderr.close()
+        self._tmp.cleanup()
+
+    def _read(self) -> tuple[SolveStatus, np.ndarray | None]:
+        code = self._process.returncode
+        if code == EXIT_NO_HIGHS:
+            raise MemplanError(MISSING_HIGHS)
+        if code != 0:
+            self._stderr.seek(0)
+            last = (self._stderr.read().strip().splitlines() or [f"exit status {code}"])[-1]
+            if self._strict:
+                raise MemplanError(f"HiGHS worker failed: {last}")
+            return SolveStatus("unknown", None, None, None, 0.0), None
+        with np.load(self._dst, allow_pickle=False) as out:
+            meta, x = json.loads(str(out["meta"])), out["x"]
+        status = SolveStatus(meta["status"], meta["objective"], meta["bound"], meta["gap"], meta["seconds"])
+        return status, (x if len(x) else None)
 
 
 def solve_highs(
@@ -241,6 +295,7 @@ def solve_highs(
 __all__ = [
     "MISSING_HIGHS",
     "Milp",
+    "MilpInBackground",
     "highs_available",
     "milp_from_cp_model",
     "require_highs",

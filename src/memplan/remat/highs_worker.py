@@ -11,7 +11,8 @@ The input (``IN.npz``, see :data:`FIELDS`): ``min c.x + offset`` subject to
 ``row_lower <= A x <= row_upper`` (``A`` in CSR: ``row_start``, ``row_index``, ``row_value``),
 ``col_lower <= x <= col_upper``, ``x_j`` integer where ``integrality[j]``, an optional
 ``start`` (a full MIP start, empty for none) and ``options`` (JSON: ``time_limit``,
-``threads``, ``mip_rel_gap``, ``mip_abs_gap``). The output (``OUT.npz``): ``x`` (empty
+``threads``, ``mip_rel_gap``, ``mip_abs_gap``, ``nice``: how much to lower the worker's
+priority). The output (``OUT.npz``): ``x`` (empty
 without a solution) and ``meta`` (JSON: ``status`` optimal/feasible/infeasible/unknown,
 ``objective``, ``bound``, ``gap``, ``seconds``, ``highs_status``).
 """
@@ -19,6 +20,8 @@ without a solution) and ``meta`` (JSON: ``status`` optimal/feasible/infeasible/u
 from __future__ import annotations
 
 import json
+import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -84,6 +87,8 @@ def configure(highs: Any, options: dict[str, Any]) -> None:
     highs.setOptionValue("threads", max(1, int(options.get("threads", 1))))
     highs.setOptionValue("mip_rel_gap", float(options.get("mip_rel_gap", 0.0)))
     highs.setOptionValue("mip_abs_gap", float(options.get("mip_abs_gap", 1e-6)))
+    if int(options.get("nice", 0)) > 0 and hasattr(os, "nice"):
+        os.nice(int(options["nice"]))  # yield the cores to the parent's own search
 
 
 def warm_start(highspy: Any, highs: Any, start: np.ndarray) -> None:
@@ -115,6 +120,8 @@ def solve(highspy: Any, milp: dict[str, Any]) -> tuple[dict[str, Any], np.ndarra
         objective = float(info.objective_function_value)
         bound = objective if status == "optimal" else float(info.mip_dual_bound)
         gap = 0.0 if status == "optimal" else relative_gap(objective, bound)
+    elif status == "unknown" and math.isfinite(info.mip_dual_bound):
+        bound = float(info.mip_dual_bound)  # out of time before a solution: the bound still holds
     meta = {
         "status": status,
         "objective": objective,
