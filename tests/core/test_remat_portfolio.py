@@ -515,9 +515,10 @@ def test_the_cut_milp_bounds_no_more_than_the_cp_models_optimum(
 
 @needs_highs
 def test_the_portfolio_takes_the_cut_milps_bound_and_never_leaves_its_child(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With time enough, the portfolio starts HiGHS on the cuts in the background; the child
-    is gone when the solve ends (here the CP model proves its plan first), also when a later
-    member of the portfolio raises; once HiGHS has ended, its bound counts."""
+    """With time enough (the relaxation 10 s or more), the portfolio starts HiGHS on the cuts
+    in the background; the child is gone when the solve ends (here the CP model proves its
+    plan first), also when a later member of the portfolio raises; once HiGHS has ended, its
+    bound counts. A 20 s solve starts none."""
     from memplan.remat import portfolio
 
     children: list[CutMilp] = []
@@ -530,8 +531,9 @@ def test_the_portfolio_takes_the_cut_milps_bound_and_never_leaves_its_child(monk
     monkeypatch.setattr(portfolio, "CutMilp", Recorded)
     graph = small_graph(19, 14)
     budget = int(checkpoint_all(RematProblem(graph, 10**9)).peak_bytes * 0.85)
-    plan = solve_remat(graph, budget, 14.0, workers=1)
+    plan = solve_remat(graph, budget, 40.0, workers=1)
     assert plan.feasible and len(children) == 1 and children[0].child._process.returncode is not None
+    assert solve_remat(graph, budget, 20.0, workers=1).feasible and len(children) == 1
 
     class Ended:
         """A CutMilp whose HiGHS has ended with a bound."""
@@ -554,10 +556,13 @@ def test_the_portfolio_takes_the_cut_milps_bound_and_never_leaves_its_child(monk
     def fail(*_args: object) -> None:
         raise RuntimeError("a member of the portfolio failed")
 
+    monkeypatch.setattr(portfolio, "highs_available", lambda: False)  # without highspy: no child, a plan
+    assert solve_remat(graph, budget, 40.0, workers=1).feasible and len(children) == 1
+    monkeypatch.setattr(portfolio, "highs_available", lambda: True)
     monkeypatch.setattr(portfolio._Portfolio, "neighbourhoods", fail)
     monkeypatch.setattr(portfolio._Portfolio, "moccasin", fail)
     with pytest.raises(RuntimeError, match="failed"):
-        solve_remat(graph, budget, 14.0, workers=1)
+        solve_remat(graph, budget, 40.0, workers=1)
     assert len(children) == 2 and children[1].child._process.returncode is not None
 
 

@@ -244,7 +244,8 @@ class MilpInBackground:
 
     def finish(self, wait_seconds: float, strict: bool = False) -> tuple[SolveStatus, np.ndarray | None]:
         """The answer, waiting up to ``wait_seconds`` (then the child is killed: "unknown").
-        ``strict``: a failed worker raises its one-line :class:`MemplanError` (else "unknown")."""
+        ``strict``: a failed worker (or one without highspy) raises its one-line
+        :class:`MemplanError`; else, as with :meth:`poll`, its answer is "unknown"."""
         self._strict = strict
         try:
             self._process.wait(timeout=max(0.0, wait_seconds))
@@ -265,7 +266,7 @@ class MilpInBackground:
 
     def _read(self) -> tuple[SolveStatus, np.ndarray | None]:
         code = self._process.returncode
-        if code == EXIT_NO_HIGHS:
+        if code == EXIT_NO_HIGHS and self._strict:
             raise MemplanError(MISSING_HIGHS)
         if code != 0:
             self._stderr.seek(0)
