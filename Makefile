@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch would pull gigabytes of CUDA packages
 	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[torch,test,highs]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[torch,test,highs,transformers,lightning]'
 	touch $(STAMP)
 
 demo: $(STAMP)
