@@ -1,8 +1,9 @@
 """memplan's plans in the tools a PyTorch user already has.
 
-    python examples/export_tools.py OUT_DIR
+    python examples/export_tools.py [OUT_DIR]
 
-writes to OUT_DIR:
+writes to OUT_DIR (without one, to a fresh temporary folder, whose path it prints; never
+into the current folder):
 
 * planned.pickle, eager.pickle: memory snapshots of the planned step and of the same step
   run eagerly; open both at https://pytorch.org/memory_viz (or run
@@ -16,8 +17,9 @@ and trains the model with ``torch.compile(backend=memplan_backend(...))``.
 
 from __future__ import annotations
 
+import argparse
 import copy
-import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -148,5 +150,15 @@ def main(out: Path) -> None:
     print(f"torch.compile: loss {loss.item():.4f}, {len(report.recomputed_nodes)} forward nodes recomputed")
 
 
+def output_folder(argv: list[str] | None = None) -> Path:
+    """OUT_DIR from the command line, else a new temporary folder (printed)."""
+    parser = argparse.ArgumentParser(description="Write memplan's plan as memory snapshots, a trace, a SAC policy.")
+    parser.add_argument("out_dir", nargs="?", type=Path, help="where to write (default: a new temporary folder)")
+    out = parser.parse_args(argv).out_dir
+    return out if out is not None else Path(tempfile.mkdtemp(prefix="memplan-exports-"))
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "memplan-exports"))
+    folder = output_folder()
+    print(f"writing to {folder}")
+    main(folder)

@@ -67,6 +67,14 @@ class DynamicShape(CaptureError):
     pass
 
 
+class ModuleCast(CaptureError):
+    """The step casts or moves a module's parameters (``.to(torch.bfloat16)`` inside forward)."""
+
+
+class UnplannedWrapper(CaptureError):
+    """The model is wrapped in something memplan does not plan (FSDP, DDP, torch.compile)."""
+
+
 class UnknownModel(MemplanError, KeyError):
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""

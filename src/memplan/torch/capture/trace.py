@@ -30,12 +30,14 @@ import torch
 from memplan.errors import CaptureError, DataDependentControlFlow, DynamicShape, MemplanError, UnsupportedOp
 from memplan.graph.check import validate_graph
 from memplan.graph.ir import Category, Graph, Op, OpId, Tensor, TensorId
+from memplan.torch.capture.casts import guarded_casts
 from memplan.torch.capture.fake import fake_clone_module, fake_mode_of, new_fake_mode, take_literals
 from memplan.torch.capture.hf_masks import MaskGuard, follow_mask_shortcuts
 from memplan.torch.capture.literals import check_literals_repeat
 from memplan.torch.capture.marks import BACKWARD_MARK, CALL_KIND, CALL_MARK, RELEASE_KIND
 from memplan.torch.capture.regions import CallRegion, RegionRecorder
 from memplan.torch.capture.swap import SCALER_TENSORS, FakeSwap
+from memplan.torch.capture.wrappers import refuse_unplanned_wrappers
 from memplan.torch.tensors import is_random, storage_key, tensor_leaves, written_storages
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -138,6 +140,7 @@ def capture_step(
     is captured: if an optimizer has no state yet, one fake run creates it first. The step must
     leave no gradient on a parameter (end it with ``zero_grad()``).
     """
+    refuse_unplanned_wrappers(model)
     mode = fake_mode_of(model) or new_fake_mode()
     _check_trainable(model)
     if scaler is not None and scaler.is_enabled() and scaler._scale is None:
@@ -148,7 +151,7 @@ def capture_step(
         return fn(pytree.tree_unflatten(flat_batch, spec))
 
     recorder = RegionRecorder(model, optimizers, scaler, schedulers)
-    with FakeSwap(mode, model, optimizers, scaler), recorder.installed():
+    with FakeSwap(mode, model, optimizers, scaler), guarded_casts(model), recorder.installed():
         take_literals(mode)
         with mode:  # creates the optimizers' state lazily (plan the steady state), shows the literals
             _guarded(run, flat)
@@ -224,6 +227,7 @@ def optimizer_state_meta(model: torch.nn.Module, optimizer: torch.optim.Optimize
 
 def capture_infer_step(model: torch.nn.Module, inputs: Any, *, name: str = "") -> Capture:
     """Capture ``with torch.no_grad(): model(inputs)``."""
+    refuse_unplanned_wrappers(model)
     real_inputs = inputs
     mode = fake_mode_of(model)
     if mode is None:
@@ -238,13 +242,14 @@ def capture_infer_step(model: torch.nn.Module, inputs: Any, *, name: str = "") -
 
     flat, spec = pytree.tree_flatten(inputs)
     take_literals(mode)
-    with mode:
-        _guarded(step, flat)  # once untraced: shows the literals the step makes
-    earlier_literals = take_literals(mode)
-    start = time.perf_counter()
-    mask_guards: list[MaskGuard] = []
-    with follow_mask_shortcuts(real_inputs, mask_guards):
-        gm = _trace(step, flat)
+    with guarded_casts(model):
+        with mode:
+            _guarded(step, flat)  # once untraced: shows the literals the step makes
+        earlier_literals = take_literals(mode)
+        start = time.perf_counter()
+        mask_guards: list[MaskGuard] = []
+        with follow_mask_shortcuts(real_inputs, mask_guards):
+            gm = _trace(step, flat)
     capture = _to_capture(gm, categories, set(), "infer", time.perf_counter() - start, name)
     capture.mask_guards = mask_guards
     check_literals_repeat(gm, dict(zip(capture.node_of_op, capture.op_phase, strict=True)), earlier_literals)

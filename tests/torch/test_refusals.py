@@ -1,0 +1,304 @@
+"""Refusals that read as reasons.
+
+- A module cast or move inside ``forward`` that changes nothing (``.to(same dtype)``, ``.float()``
+  on a float32 module, ``.cpu()`` on a CPU module) is captured as the no-op it is: the step
+  trains bit for bit like eager. One that changes the parameters is refused in one line that
+  names the module and the call (memplan.torch.capture.casts). HF's Switch-Transformers, whose
+  router casts its classifier on every call, is the real case.
+- Wrappers memplan does not plan (FSDP2, FSDP1, DDP, torch.compile, DTensor parameters) are
+  refused by name before capture (memplan.torch.capture.wrappers).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch.distributed as dist
+
+import memplan
+import torch
+from memplan.errors import DynamicShape, ModuleCast, UnplannedWrapper
+from memplan.torch.capture.wrappers import refuse_unplanned_wrappers
+from memplan.torch.equivalence import differences, snapshot
+
+STEPS = 5
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """The models are tiny: a second intra-op thread only spins on this 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _train_both(model: torch.nn.Module, batch: tuple, loss_fn: Callable) -> None:
+    """``STEPS`` steps of memplan.compile and of eager from the same state and seeds: losses,
+    parameters, optimizer state and random state bit for bit equal after each."""
+    eager = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+
+    @memplan.compile(model=model, optimizer=opt)
+    def step(b):
+        loss = loss_fn(model(b[0]), b[1])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    for k in range(STEPS):
+        torch.manual_seed(k)
+        loss = step(batch)
+        torch.manual_seed(k)
+        eager_loss = loss_fn(eager(batch[0]), batch[1])
+        eager_loss.backward()
+        eager_opt.step()
+        eager_opt.zero_grad()
+        assert torch.equal(loss, eager_loss.detach()), k
+        assert not differences(snapshot(eager, eager_opt), snapshot(model, opt)), k
+
+
+# ---------------------------------------------------------------- casts inside forward
+
+
+class Casting(torch.nn.Module):
+    """Casts its ``inner`` layer in ``forward`` with each of ``casts``, as HF's router does."""
+
+    def __init__(self, *casts: Callable[[torch.nn.Module], torch.nn.Module]) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.BatchNorm1d(8)
+        self.head = torch.nn.Linear(8, 2)
+        self.casts = casts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for cast in self.casts:
+            self.inner = cast(self.inner)
+        return self.head(torch.relu(self.norm(self.inner(x))))
+
+
+class CastsItself(Casting):
+    """The whole model cast and moved from inside its own forward, buffers included."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super(CastsItself, self.float().cpu()).forward(x)
+
+
+NO_OPS = (
+    lambda m: m.to(torch.float32),
+    lambda m: m.float(),
+    lambda m: m.cpu(),
+    lambda m: m.to("cpu"),
+    lambda m: m.to(torch.device("cpu"), torch.float32),
+    lambda m: m.type(torch.float32),
+)
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return torch.randn(16, 8), torch.randn(16, 2)
+
+
+def test_casts_that_change_nothing_are_no_ops_and_train_bit_for_bit_like_eager() -> None:
+    torch.manual_seed(0)
+    model = CastsItself(*NO_OPS)
+    _train_both(model, _batch(), torch.nn.functional.mse_loss)
+    assert not {"_apply", "to", "float"} & set(model.inner.__dict__)  # the capture's checks are gone
+    infer = memplan.compile_inference(model.eval(), _batch()[0])
+    assert torch.equal(infer(_batch()[0]), model(_batch()[0]))
+
+
+@pytest.mark.parametrize(
+    ("cast", "call"),
+    [
+        (lambda m: m.to(torch.float64), "inner.to(torch.float64)"),
+        (lambda m: m.half(), "inner.half()"),
+        (lambda m: m.to(dtype=torch.bfloat16), "inner.to(dtype=torch.bfloat16)"),
+    ],
+)
+def test_a_cast_that_changes_the_parameters_is_refused_in_one_line_naming_it(cast, call) -> None:
+    torch.manual_seed(0)
+    model = Casting(cast)
+    before = {n: p for n, p in model.named_parameters()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ModuleCast) as err:
+        memplan.compile_step(model, opt, torch.nn.functional.mse_loss, _batch())
+    message = str(err.value)
+    assert "\n" not in message
+    assert f"`{call}` inside the step changes the module's parameters" in message
+    assert "cast or move the model before memplan.compile" in message
+    # the user's model is as it was: same parameter objects, float32, no capture attributes left
+    assert dict(model.named_parameters()) == before
+    assert all(p.dtype == torch.float32 and not p.is_meta for p in model.parameters())
+    assert not {"_apply", "to", "half"} & set(model.inner.__dict__)
+
+
+# ---------------------------------------------------------------- HF Switch-Transformers
+
+
+def _transformers():
+    return pytest.importorskip("transformers", reason="Switch-Transformers is HF transformers' own")
+
+
+def _switch_config(**overrides) -> transformers.SwitchTransformersConfig:  # noqa: F821
+    return _transformers().SwitchTransformersConfig(
+        vocab_size=64,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=2,
+        num_experts=4,
+        expert_capacity=8,
+        num_sparse_encoder_layers=1,
+        num_sparse_decoder_layers=1,
+        dropout_rate=0.0,
+        **overrides,
+    )
+
+
+class RoutedProjection(torch.nn.Module):
+    """A projection, then Switch-Transformers' own router (which casts its classifier to the
+    router dtype on every call and jitters its input with random noise)."""
+
+    def __init__(self, config: transformers.SwitchTransformersConfig) -> None:  # noqa: F821
+        super().__init__()
+        from transformers.models.switch_transformers.modeling_switch_transformers import SwitchTransformersTop1Router
+
+        self.proj = torch.nn.Linear(config.d_model, config.d_model)
+        self.router = SwitchTransformersTop1Router(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        expert_index, probs, logits = self.router(self.proj(x))
+        return logits.logsumexp(-1) + probs.squeeze(-1) * expert_index.sum(-1)
+
+
+def test_switch_transformers_router_casts_its_classifier_and_trains_bit_for_bit() -> None:
+    config = _switch_config()
+    assert config.router_dtype == "float32" and config.router_jitter_noise > 0
+    torch.manual_seed(0)
+    model = RoutedProjection(config)
+    x = torch.randn(2, 8, config.d_model)
+    _train_both(model, (x, torch.zeros(2, 8)), torch.nn.functional.mse_loss)
+
+
+def test_a_bfloat16_router_is_refused_naming_the_cast() -> None:
+    torch.manual_seed(0)
+    model = RoutedProjection(_switch_config(router_dtype="bfloat16"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = (torch.randn(2, 8, 32), torch.zeros(2, 8))
+    with pytest.raises(ModuleCast, match=r"`router\.classifier\.to\(torch\.bfloat16\)` inside the step") as err:
+        memplan.compile_step(model, opt, torch.nn.functional.mse_loss, batch)
+    assert "\n" not in str(err.value)
+    assert model.router.classifier.weight.dtype == torch.float32
+
+
+def test_switch_transformers_is_refused_for_its_data_dependent_routing_not_its_cast() -> None:
+    torch.manual_seed(0)
+    model = _transformers().SwitchTransformersForConditionalGeneration(_switch_config())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = {"input_ids": torch.randint(0, 64, (2, 8)), "labels": torch.randint(0, 64, (2, 8))}
+
+    @memplan.compile(model=model, optimizer=opt)
+    def step(b):
+        loss = model(**b).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    with pytest.raises(DynamicShape) as err:
+        step(batch)
+    message = str(err.value)
+    assert "\n" not in message and "_apply" not in message and "swap" not in message
+    assert "aten.nonzero" in message and "modeling_switch_transformers.py" in message  # the experts' dispatch
+    assert "depends on the data" in message
+
+
+# ---------------------------------------------------------------- wrappers memplan does not plan
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> Iterator[None]:
+    """A 1-rank gloo process group on CPU (the one the wrappers below need to be built)."""
+    if dist.is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(8, 8)), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def _fsdp2(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model[0])
+    return fully_shard(model)
+
+
+def _fsdp1(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel(model, device_id=torch.device("cpu"))
+
+
+def _replicated_dtensors(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_module
+
+    return distribute_module(model, init_device_mesh("cpu", (1,)))
+
+
+def _compiled_in_place(model: torch.nn.Module) -> torch.nn.Module:
+    model.compile()
+    return model
+
+
+WRAPPERS = {
+    "fsdp2": (_fsdp2, r"the model \(FSDPSequential\) is sharded with FSDP2's fully_shard .*plan the unsharded model"),
+    "fsdp1": (_fsdp1, r"wrapped in FSDP's FullyShardedDataParallel: memplan does not plan FSDP-sharded models"),
+    "ddp": (
+        torch.nn.parallel.DistributedDataParallel,
+        r"wrapped in DistributedDataParallel, .* to memplan\.compile_data_parallel_step",
+    ),
+    "dtensor": (_replicated_dtensors, r"parameter '0\.0\.weight' is a DTensor"),
+    "torch.compile": (torch.compile, r"the model \(OptimizedModule\) is compiled with torch\.compile"),
+    "module.compile()": (_compiled_in_place, r"the model \(Sequential\) is compiled with torch\.compile"),
+}
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_wrappers_memplan_does_not_plan_are_refused_by_name(one_rank, wrapper: str) -> None:
+    wrap, reason = WRAPPERS[wrapper]
+    model = wrap(_mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = (torch.randn(4, 8), torch.randn(4, 2))
+    with pytest.raises(UnplannedWrapper, match=reason) as err:
+        memplan.compile_step(model, opt, torch.nn.functional.mse_loss, batch)
+    assert "\n" not in str(err.value)
+    with pytest.raises(UnplannedWrapper, match=reason):  # the decorator refuses at compile time, before a call
+        memplan.compile(lambda b: None, model=model, optimizer=opt)
+
+
+def test_data_parallel_is_refused_over_several_gpus_only() -> None:
+    model = _mlp()
+    refuse_unplanned_wrappers(torch.nn.DataParallel(model))  # on CPU it calls the module itself
+    several = torch.nn.DataParallel(model)
+    several.device_ids = [0, 1]  # what DataParallel holds on a 2-GPU machine (this one has none)
+    with pytest.raises(UnplannedWrapper, match="DataParallel over 2 GPUs"):
+        refuse_unplanned_wrappers(several)
