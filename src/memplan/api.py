@@ -40,6 +40,7 @@ from memplan.isolate import in_child
 from memplan.pipeline import MemoryPlan, make_plan
 from memplan.torch.capture import Capture, capture_infer_step, capture_step
 from memplan.torch.capture.trace import standard_step
+from memplan.torch.capture.wrappers import refuse_unplanned_wrappers
 from memplan.torch.rss import release_free_memory
 from memplan.torch.run.allocator import alignment_for
 from memplan.torch.run.arena import LruCache, SharedArena
@@ -199,6 +200,7 @@ class CompiledStep:
         executor: str = "generated",
         max_plans: int = DEFAULT_MAX_PLANS,
     ) -> None:
+        refuse_unplanned_wrappers(model)  # FSDP, DDP, torch.compile: refused by name, before anything else
         self.executor = executor
         device = model_device(model)
         if _on_one_device(model):
@@ -225,9 +227,10 @@ class CompiledStep:
         self.max_overhead = max_overhead
         if memory_budget is not None or max_overhead is not None:
             from memplan.torch.run.budget import check_max_overhead, parse_memory_budget
+            from memplan.torch.run.fit import is_fit
 
             check_max_overhead(max_overhead)
-            if memory_budget is not None:
+            if memory_budget is not None and not is_fit(memory_budget):
                 parse_memory_budget(memory_budget, 1)  # a malformed budget is refused now, not at the first call
         self._own_arena: set[int] = set()  # runners (views-mode budget plans) that keep their own arena
         self.arena = SharedArena(device)  # one arena for every shape (Sekiyama 4.3)
@@ -387,6 +390,7 @@ class CompiledStep:
             max_overhead=self.max_overhead,
             time_limit_seconds=self.time_limit_seconds,
             joint_reorder=self.reorder,
+            plain_order=plan.order,
         )
         plan.report["budget"] = decided.report
 
@@ -498,11 +502,14 @@ def compile(  # the name PyTorch users know (torch.compile)
     peak (parameters, gradients, optimizer state, batch, activations) stays within it. Give
     bytes (``2_000_000_000``, ``"2GiB"``, ``"512MB"``) or a fraction of the checkpoint-all peak,
     the peak of the step that keeps every activation (``0.5``, ``"50%"``; 1.0 recomputes
-    nothing). ``max_overhead`` (0.1: "at most 10% more compute") alone asks for the lowest
+    nothing), or ``"fit"``: whatever this process may use (the cgroup limit or the available
+    memory, less what it holds outside the step and a margin; on CUDA the device's free memory),
+    resolved at the first call and reported. The budget holds from the first call on.
+    ``max_overhead`` (0.1: "at most 10% more compute") alone asks for the lowest
     peak within that much recomputation; with ``memory_budget`` it caps the cheapest plan's.
     The plan reorders and places first; only if that does not fit does it recompute
     activations in the backward (a portfolio of Moccasin's CP model, Checkmate's MILP and the
-    baselines, with each kernel's workspace measured on a copy of the model). A recompute runs
+    baselines, with each kernel's workspace measured within the budget). A recompute runs
     the same kernel on the same inputs and random ops are never recomputed, so numerics stay
     eager's bit for bit. A budget no plan reaches raises ``InfeasibleBudget`` with the smallest
     peak there is; a step with a GradScaler or several optimizers is refused with a budget.
@@ -510,6 +517,9 @@ def compile(  # the name PyTorch users know (torch.compile)
     """
     optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     schedulers = list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler] if scheduler else []
+    from memplan.torch.integrations.accelerate import adapt
+
+    model, optimizers, schedulers = adapt(model, optimizers, schedulers)  # accelerator.prepare()'s wrappers
 
     def build(step_fn: StepFn) -> CompiledStep:
         return CompiledStep(

@@ -99,6 +99,51 @@ def print_budget(report: dict[str, Any], console: Console) -> None:
     )
 
 
+def is_fit(budget: str) -> bool:
+    from memplan.torch.run.fit import is_fit as fit
+
+    return fit(budget)
+
+
+def run_fit(
+    model: str, batch_size: int, steps: int, optimizer: str, budget: str, time_limit: float, max_overhead: float | None
+) -> dict[str, Any]:
+    """``--budget fit``: memplan then eager, each in a fresh process under this process's limit."""
+    from memplan.torch.run.limited import train_under_limit
+
+    if max_overhead is not None:
+        raise MemplanError("--budget fit takes no --max-overhead: the limit alone decides the plan")
+    with progress(f"training {model} {steps} steps within this process's memory limit, memplan then eager"):
+        report = train_under_limit(
+            model, batch_size, steps, optimizer, memory_budget=budget, time_limit_seconds=time_limit
+        )
+    print_fit(report, console())
+    return report
+
+
+def print_fit(report: dict[str, Any], out: Console) -> None:
+    """The lines of ``memplan run --budget fit``: the limit, planned and measured peaks, time, verdicts."""
+    m, e = report["memplan"], report["eager"]
+    if not m["fits"]:
+        out.print(f"memplan: {m['outcome']}", markup=False, highlight=False)
+        return
+    lines = [
+        f"limit {format_bytes(report['limit_bytes'])} ({report['limit_source']}), margin "
+        f"{format_bytes(report['margin_bytes'])}: budget {format_bytes(report['budget_bytes'])} for the step",
+        f"memplan: planned peak {format_bytes(report['planned_peak_bytes'])}, measured peak RSS "
+        f"{format_bytes(report['measured_peak_rss_bytes'])} over all {report['steps']} steps (first step "
+        f"{format_bytes(m['first_step_peak_rss_bytes'])}): {'held' if report['held'] else 'did NOT hold'}; "
+        f"compute overhead +{100 * (report['overhead'] or 0):.2f}%",
+        f"eager: {e['outcome']}"
+        + (f", peak RSS {format_bytes(e['peak_rss_bytes'])}" if e["fits"] else "")
+        + (f"; step time memplan/eager {report['step_time_ratio']:.2f}" if report["step_time_ratio"] else ""),
+        "loss and parameters after every step vs eager: "
+        + {True: "identical", False: "DIFFER", None: "not compared (eager did not train)"}[report["identical"]],
+    ]
+    for line in lines:
+        out.print(line, markup=False, highlight=False)
+
+
 def print_data_parallel(reports: list[dict[str, Any]], console: Console) -> None:
     """The table of ``memplan run --nproc N``: per rank, memplan vs DDP (both bucket settings)."""
     first = reports[0]
@@ -215,7 +260,9 @@ def run(
         typer.Option(
             "--budget",
             help="Memory budget for the whole step: bytes (2e9, 2GiB, 512MB) or a fraction of the checkpoint-all "
-            "peak (0.5, 50%); activations are recomputed in the backward where reordering alone does not fit.",
+            "peak (0.5, 50%); activations are recomputed in the backward where reordering alone does not fit. "
+            "'fit': whatever this process may use (cgroup limit or available memory, less a margin); memplan and "
+            "eager then each train in a fresh process under that limit.",
         ),
     ] = None,
     max_overhead: Annotated[
@@ -257,6 +304,13 @@ def run(
         print_data_parallel(reports, console())
         write_json(json_path, {"ranks": reports})
         if _data_parallel_diff(reports) != 0.0:
+            raise typer.Exit(1)
+        return
+
+    if budget is not None and is_fit(budget):
+        report = run_fit(model, batch_size, steps, optimizer.value, budget, time_limit, max_overhead)
+        write_json(json_path, report)
+        if report["identical"] is False or not report["held"]:
             raise typer.Exit(1)
         return
 

@@ -15,12 +15,22 @@ activation; ``torch.utils.checkpoint``: recompute in the backward what the forwa
 :func:`plan_budget` decides: when the reordered and placed plan (OLLA) already fits, nothing
 is recomputed; otherwise the remat portfolio (:func:`memplan.remat.solve_remat`: the baselines,
 Moccasin's CP model, Checkmate's MILP) plans the cheapest recomputation within the budget,
-counting each op's kernel workspace measured on a copy of the model
+counting each op's kernel workspace measured on the model's parameters within the budget
 (:mod:`memplan.torch.run.profile`), and :class:`memplan.torch.run.remat.RematRunner` runs it.
 A recompute runs the same kernel on the same inputs, and random ops are never recomputed
 (:data:`memplan.remat.problem.RANDOM_KIND_MARKERS`), so numerics equal eager's bit for bit.
 A budget below every plan raises :class:`memplan.errors.InfeasibleBudget` in one line, with
 the smallest peak there is; a step the remat runner cannot run is refused in one line.
+``memory_budget="fit"`` is the limit of the process (:mod:`memplan.torch.run.fit`).
+
+The budget holds from the first call (issue 33), not only once the step replays: the kernels'
+workspace is measured on the user's parameters (not a copy, never written) running a plan
+within the budget, never in eager's order; a budget no plan reaches is refused before that;
+the recording steps run the plan on the ordinary allocator with their large blocks mapped on
+their own (:mod:`memplan.torch.run.heap`), so the C library's heap does not keep their pages.
+GPT-2 (2 layers, AdamW, batch 16) at 1.85 GiB: every call peaks at 2392 MiB RSS, the first
+calls included (3037 MiB before; eager 2860 MiB): under a 2600 MiB cgroup limit,
+``python bench/fit_first_call.py``.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ from memplan.report.format import format_bytes
 from memplan.torch.capture import Capture
 from memplan.torch.run.allocator import AllocationTrace, NativeReplay
 from memplan.torch.run.arena import SharedArena
+from memplan.torch.run.heap import blocks_mapped
 from memplan.torch.run.profile import _measure_workspace, _ProfilingRunner
 from memplan.torch.run.replay import MAX_RECORDINGS, ReplayedStep
 
@@ -159,23 +170,83 @@ def plan_budget(
     time_limit_seconds: float,
     joint_reorder: bool = False,
     measure_workspace: bool = True,
+    plain_order: Sequence[int] | None = None,
 ) -> BudgetPlan:
     """The plan for a budget (see the module docstring). ``plain_peak_bytes``: the planned peak
-    of the reordered, placed step without recomputation. ``joint_reorder``: let the remat
-    solver also move first runs later (only for steps without random ops: their draws keep
-    program order)."""
+    of the reordered, placed step without recomputation, ``plain_order`` its order.
+    ``joint_reorder``: let the remat solver also move first runs later (only for steps without
+    random ops: their draws keep program order). ``memory_budget="fit"``: the limit of this
+    process (:mod:`memplan.torch.run.fit`), resolved now.
+
+    The kernels' workspace is measured on the real model's parameters (never updated, never
+    copied) running a plan within the budget, so the measurement stays within it too: the
+    reordered plan where it fits, else the remat plan solved without workspace; a budget no
+    plan reaches is refused before anything runs."""
+    from memplan.torch.run.fit import fit_budget, is_fit
+
+    check_max_overhead(max_overhead)
+    fit = fit_budget(model, [optimizer], batch) if is_fit(memory_budget) else None
+    try:
+        decided = _plan_budget(
+            capture,
+            plain_peak_bytes,
+            model,
+            optimizer,
+            batch,
+            memory_budget=memory_budget,
+            fit_bytes=None if fit is None else fit.budget_bytes,
+            max_overhead=max_overhead,
+            time_limit_seconds=time_limit_seconds,
+            joint_reorder=joint_reorder,
+            measure_workspace=measure_workspace,
+            plain_order=plain_order,
+        )
+    except InfeasibleBudget as err:
+        if fit is None:
+            raise
+        raise InfeasibleBudget(f"{fit.describe()}; {err}") from None
+    if fit is not None:
+        decided.report["limit"] = fit.as_report()
+    return decided
+
+
+def _plan_budget(
+    capture: Capture,
+    plain_peak_bytes: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    *,
+    memory_budget: int | float | str | None,
+    fit_bytes: int | None,
+    max_overhead: float | None,
+    time_limit_seconds: float,
+    joint_reorder: bool,
+    measure_workspace: bool,
+    plain_order: Sequence[int] | None,
+) -> BudgetPlan:
     from memplan.remat import solve_remat_within_overhead
     from memplan.remat.baselines import checkpoint_all
     from memplan.remat.problem import RematProblem, is_random
 
-    check_max_overhead(max_overhead)
     graph = capture.graph
-    workspace = measure_op_workspace(capture, model, optimizer, batch) if measure_workspace else ()
+    reorder = joint_reorder and not any(is_random(op.kind) for op in graph.ops)
+
+    def budget_for(reference_bytes: int) -> int | None:
+        if fit_bytes is not None:
+            return fit_bytes
+        return parse_memory_budget(memory_budget, reference_bytes) if memory_budget is not None else None
+
+    probe: Any = None  # the plan the workspace is measured with (None: program order)
+    if measure_workspace and any(p.device.type == "cpu" for p in model.parameters()):
+        unmeasured = checkpoint_all(RematProblem(graph, 10**18)).peak_bytes
+        probe = _probe_plan(graph, budget_for(unmeasured), plain_peak_bytes, plain_order, time_limit_seconds, reorder)
+    steps = None if probe is None else probe.steps
+    workspace = measure_op_workspace(capture, model, optimizer, batch, steps=steps) if measure_workspace else ()
     warn_unmeasured_device(model)
     reference = checkpoint_all(RematProblem(graph, 10**18, workspace=workspace)).peak_bytes
-    budget_bytes = parse_memory_budget(memory_budget, reference) if memory_budget is not None else None
+    budget_bytes = budget_for(reference)
     scratch = max(workspace, default=0)
-    reorder = joint_reorder and not any(is_random(op.kind) for op in graph.ops)
     context = _SolveContext(graph, tuple(workspace), reference, reorder, time_limit_seconds, max_overhead)
     report: dict[str, Any] = {
         "memory_budget": memory_budget,
@@ -184,6 +255,7 @@ def plan_budget(
         "checkpoint_all_peak_bytes": reference,
         "plain_planned_peak_bytes": plain_peak_bytes + scratch,
         "workspace_bytes_max": scratch,
+        "workspace_measured_within": None if probe is None else getattr(probe, "label", "remat plan"),
     }
     if budget_bytes is not None and plain_peak_bytes + scratch <= budget_bytes:
         return BudgetPlan(None, {**report, **_reorder_only(plain_peak_bytes + scratch, "optimal")}, None, context)
@@ -196,7 +268,58 @@ def plan_budget(
             workspace=workspace,
         )
         return _decided(schedule, report, plain_peak_bytes + scratch, None, context)
-    return _solve_within(context, report, budget_bytes, plain_peak_bytes + scratch)
+    reuse = _still_within(graph, probe, workspace, budget_bytes)
+    return _solve_within(context, report, budget_bytes, plain_peak_bytes + scratch, schedule=reuse)
+
+
+@dataclass(frozen=True)
+class _OrderProbe:
+    """The reordered plan's steps, when it fits: the workspace is measured running it."""
+
+    steps: list[Any]
+    label: str = "reordered plan"
+
+
+def _probe_plan(
+    graph: Any,
+    budget_bytes: int | None,
+    plain_peak_bytes: int,
+    plain_order: Sequence[int] | None,
+    time_limit_seconds: float,
+    reorder: bool,
+) -> Any:
+    """What the workspace is measured with, within ``budget_bytes`` (not counting the
+    workspace): the reordered plan where it fits, else the remat portfolio's plan without
+    workspace; ``None`` (program order) without a budget or an order. A budget that no plan
+    reaches even without workspace raises :class:`InfeasibleBudget` now, before any step runs."""
+    from memplan.remat import solve_remat
+    from memplan.remat.lower import steps_for_order
+
+    if budget_bytes is None or (plain_order is not None and plain_peak_bytes <= budget_bytes):
+        return None if plain_order is None else _OrderProbe(steps_for_order(graph, plain_order))
+    schedule = in_child(solve_remat, graph, budget_bytes, time_limit_seconds, workspace=(), reorder=reorder)
+    if not schedule.feasible:
+        reference = _checkpoint_all_peak(graph)
+        raise InfeasibleBudget(_infeasible_message(graph, budget_bytes, reference, schedule, ()))
+    return schedule
+
+
+def _checkpoint_all_peak(graph: Any) -> int:
+    from memplan.remat.baselines import checkpoint_all
+    from memplan.remat.problem import RematProblem
+
+    return checkpoint_all(RematProblem(graph, 10**18)).peak_bytes
+
+
+def _still_within(graph: Any, probe: Any, workspace: Sequence[int], budget_bytes: int) -> Any:
+    """The probe's remat plan when it stays within the budget with the measured workspace
+    counted (the cheapest found without workspace, so the cheapest found with it): no second
+    solve. ``None`` otherwise."""
+    from memplan.remat.lower import sequence_peak_bytes
+
+    if probe is None or isinstance(probe, _OrderProbe) or not getattr(probe, "feasible", False):
+        return None
+    return probe if sequence_peak_bytes(graph, probe.steps, workspace) <= budget_bytes else None
 
 
 def _reorder_only(peak_bytes: int, status: str) -> dict[str, Any]:
@@ -210,21 +333,27 @@ def _reorder_only(peak_bytes: int, status: str) -> dict[str, Any]:
 
 
 def _solve_within(
-    context: _SolveContext, report: dict[str, Any], solve_bytes: int, plain_peak: int | None
+    context: _SolveContext,
+    report: dict[str, Any],
+    solve_bytes: int,
+    plain_peak: int | None,
+    schedule: Any = None,
 ) -> BudgetPlan:
     """The portfolio's cheapest plan within ``solve_bytes``; ``plain_peak``: the reordered
-    plan's peak, run instead when the plan recomputes nothing and it fits (``None``: never)."""
+    plan's peak, run instead when the plan recomputes nothing and it fits (``None``: never).
+    ``schedule``: a plan already solved for this budget (then no solve)."""
     from memplan.remat import solve_remat
 
     graph, budget_bytes = context.graph, report["budget_bytes"]
-    schedule = in_child(
-        solve_remat,
-        graph,
-        solve_bytes,
-        context.time_limit_seconds,
-        workspace=context.workspace,
-        reorder=context.reorder,
-    )
+    if schedule is None:
+        schedule = in_child(
+            solve_remat,
+            graph,
+            solve_bytes,
+            context.time_limit_seconds,
+            workspace=context.workspace,
+            reorder=context.reorder,
+        )
     if not schedule.feasible:
         raise InfeasibleBudget(
             _infeasible_message(graph, solve_bytes, context.reference, schedule, context.workspace, budget_bytes)
@@ -333,6 +462,12 @@ class BudgetedReplay(ReplayedStep):
         self.report = report
         self.report["placement_rounds"] = []
 
+    def _record(self, batch: Any) -> Any:
+        """A recording step on the ordinary allocator, its large blocks mapped on their own so
+        that the C library's heap does not hold their pages past their frees (:mod:`heap`)."""
+        with blocks_mapped():
+            return super()._record(batch)
+
     def _plan(self, trace: AllocationTrace) -> None:
         super()._plan(trace)
         assert self.plan is not None and self.placement is not None
@@ -414,27 +549,44 @@ def warn_unmeasured_device(model: torch.nn.Module) -> None:
 
 
 def measure_op_workspace(
-    capture: Capture, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any
+    capture: Capture,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    steps: Sequence[Any] | None = None,
 ) -> tuple[int, ...]:
     """Each op's kernel scratch bytes (as :func:`memplan.torch.run.profile.profile_capture`
-    measures them), on a copy of the model and optimizer with the random generator put back;
-    calls of the step's other objects (an LR scheduler) are not made, so the user's objects
-    and random stream are untouched. CPU only (elsewhere: none)."""
+    measures them), running ``steps`` (a plan's step sequence; program order when ``None``)
+    twice, the first as warm-up. The model's parameters are used as they are, never copied and
+    never written (no optimizer or other call of the step is made; a parameter written anyway
+    is refused), its buffers on a copy, the random generator put back: the user's objects
+    and random stream are untouched, and the measurement holds no second copy of the model.
+    CPU only (elsewhere: none)."""
     if any(p.device.type != "cpu" for p in model.parameters()):
         return ()
-    model_copy, optimizer_copy = copy.deepcopy((model, optimizer))
-    with torch.random.fork_rng(devices=[]):
-        runner = _WorkspaceRunner(capture, model_copy, optimizer_copy)
-        runner(batch)  # warm-up: optimizer state, oneDNN primitives
-        return _measure_workspace(runner, batch)
+    params = list(model.parameters())
+    shared = copy.deepcopy(model, memo={id(p): p for p in params})  # buffers copied, parameters shared
+    versions = [p._version for p in params]
+    with torch.random.fork_rng(devices=[]), blocks_mapped():
+        runner = _WorkspaceRunner(capture, shared, optimizer, steps)
+        runner(batch)  # warm-up: oneDNN primitives
+        workspace = _measure_workspace(runner, batch)
+    if [p._version for p in params] != versions:
+        raise MemplanError("measuring the kernels' workspace wrote a parameter; run without memory_budget")
+    return workspace
 
 
 class _WorkspaceRunner(_ProfilingRunner):
-    """Makes only the optimizer's calls: another object's (a scheduler's) is the user's own."""
+    """The step's ops without its calls: no optimizer update (its scratch is not measured
+    anyway) and no other object's call, so the parameters it shares with the user's model are
+    not written. Not a training step, so not held to the self-check."""
+
+    def __init__(self, capture: Capture, model: torch.nn.Module, optimizer: Any, steps: Any) -> None:
+        super().__init__(capture, model, optimizer, steps)
+        self._next_check = None
 
     def _update(self, ins: Any, env: dict[str, Any]) -> None:
-        if self.capture.regions[ins.region].owner in self.capture.optimizers:
-            super()._update(ins, env)
+        return None
 
 
 __all__ = [

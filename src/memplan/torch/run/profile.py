@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from memplan.graph.ir import Graph
 from memplan.remat.lower import steps_for_order
+from memplan.remat.problem import Step
 from memplan.torch.capture import Capture
 from memplan.torch.run.interpreter import _Call, _Update
 from memplan.torch.run.remat import RematRunner
@@ -60,8 +61,17 @@ class OpProfile:
 class _ProfilingRunner(RematRunner):
     """The step in program order, each op timed and, when ``annotate``, inside a profiler span."""
 
-    def __init__(self, capture: Capture, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        steps = steps_for_order(capture.graph, range(len(capture.graph.ops)))
+    def __init__(
+        self,
+        capture: Capture,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        steps: Sequence[Step] | None = None,
+    ) -> None:
+        """``steps``: the step sequence to run (a remat plan's; every op runs at least once,
+        a recompute's span counts like its first run's); program order when ``None``."""
+        if steps is None:
+            steps = steps_for_order(capture.graph, range(len(capture.graph.ops)))
         super().__init__(capture, steps, model, optimizer)
         self.samples: list[list[float]] = [[] for _ in capture.graph.ops]
         self.annotate = False
