@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
@@ -139,6 +140,7 @@ def remat(
     quiet: Quiet = False,
 ) -> None:
     """Recompute activations to fit a budget (a portfolio of Moccasin's CP model, Checkmate's MILP, baselines)."""
+    began = time.perf_counter() - startup_seconds()
     from memplan.remat import STRATEGIES, memory_floor
     from memplan.remat.baselines import checkpoint_all
     from memplan.remat.milp import check_solver
@@ -157,9 +159,12 @@ def remat(
     graph = problem.graph
     top = checkpoint_all(problem).peak_bytes
     budget_bytes = parse_budget(budget, top)
-    problem = problem.with_budget(budget_bytes)
+    # each solver's time limit counts from the command's start (reading the graph is in it), leaving
+    # the solvers at least half of it after a long capture
+    seconds = max(0.5 * time_limit, time_limit - (time.perf_counter() - began))
+    problem = problem.with_budget(budget_bytes).with_time_limit(seconds)
     with progress(f"solving {', '.join(names)} within {format_bytes(budget_bytes)}") as shown:
-        plans = solve_plans(problem, names, solver.value, reorder, lambda text: shown.advance(0, label=text), gap_limit)
+        plans = solve_plans(problem, names, solver.value, reorder, reporter(shown), gap_limit)
     floor = memory_floor(problem)
     report: dict[str, Any] = {
         "budget_bytes": budget_bytes,
@@ -210,6 +215,25 @@ def remat(
 
 
 SWEEP_BUDGETS = 6
+
+
+def startup_seconds() -> float:
+    """How long this process ran before the command, when it is the ``memplan`` program (Python's
+    start and the imports: seconds on a loaded machine, part of the time the user waits); 0
+    elsewhere (under a test runner, or without Linux's /proc)."""
+    import os
+    import sys
+
+    program = sys.argv[0].replace("\\", "/") if sys.argv else ""
+    if not (program.endswith("/memplan") or program == "memplan" or program.endswith("memplan/cli.py")):
+        return 0.0
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            started = int(stat.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+            now = float(uptime.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return min(max(0.0, now - started), 60.0)
 
 
 def _best(plans: dict[str, Any]) -> Any:
@@ -268,23 +292,45 @@ def solve_plans(
     progress: Callable[[str], None] | None = None,
     gap_limit: float | None = None,
 ) -> dict[str, Any]:
-    """Each strategy's plan; Checkmate's MILP with ``solver``, warm-started from the best baseline.
-    ``progress(text)`` hears which solver runs (they take up to the time limit each);
-    ``gap_limit``: every solver's (None: each its own default)."""
-    from memplan.remat.baselines import BASELINES
-    from memplan.remat.milp import solve_checkmate
+    """Each strategy's plan (:func:`memplan.remat.sweep.solve_all`), each within the time limit;
+    Checkmate's MILP with ``solver``, warm-started from the best baseline. ``progress(text)``
+    hears which solver runs, and every few seconds how it stands; ``gap_limit``: every
+    solver's (None: each its own default)."""
     from memplan.remat.sweep import solve_all
 
-    say = progress or (lambda text: None)
-    if solver == "cp-sat" or "checkmate" not in names:
-        return solve_all(problem, names, say, reorder, gap_limit)
-    plans = solve_all(problem, [n for n in names if n != "checkmate"], say, reorder, gap_limit)
-    baselines = {n: plans.get(n) or BASELINES[n](problem) for n in BASELINES}
-    fits = [p for p in baselines.values() if p.feasible]
-    warm = min(fits, key=lambda p: (p.compute_cost, p.peak_bytes)) if fits else None
-    say(f"checkmate MILP with {solver}")
-    plans["checkmate"] = solve_checkmate(problem, warm, solver=solver, gap_limit=gap_limit or 0.0)
-    return {name: plans[name] for name in names}
+    return solve_all(problem, names, progress, reorder, gap_limit, solver)
+
+
+LOG_TICK_SECONDS = 10.0
+"""Where stderr is not a terminal, how a solve stands is written at most this often."""
+
+
+def reporter(shown: Any) -> Callable[[str], None]:
+    """Where the solvers' progress goes: the spinner's label on a terminal; to a log (stderr not
+    a terminal), each stage's start as a line, and how the solve stands at most every
+    :data:`LOG_TICK_SECONDS`; nowhere under ``--quiet``."""
+    import sys
+
+    from rich.markup import escape
+
+    from memplan.commands.console import is_quiet
+    from memplan.remat.deadline import is_tick
+
+    if is_quiet():
+        return lambda text: None
+    if Console(stderr=True).is_terminal:
+        return lambda text: shown.advance(0, label=escape(text))
+    last = [-LOG_TICK_SECONDS]
+
+    def write(text: str) -> None:
+        now = time.perf_counter()
+        if is_tick(text):
+            if now - last[0] < LOG_TICK_SECONDS:
+                return
+            last[0] = now
+        print(text, file=sys.stderr, flush=True)
+
+    return write
 
 
 class ProblemInputs:
@@ -423,8 +469,11 @@ def print_plans(report: dict[str, Any], console: Console) -> None:
                 console.print(f"{name}: solved on the whole graph ({s['nodes_before']} nodes)")
         if s.get("scope") and s.get("gap") is not None:
             console.print(f"{name}: gap relative to the bound for {s['scope']}")
-        if not s["feasible"] and s["message"]:
-            console.print(s["message"])
+        if s["message"] and (not s["feasible"] or "cut at" in s["message"]):
+            console.print(s["message"], markup=False)
+        for attempt in s.get("attempts") or ():  # a baseline the portfolio cut at its share of the time
+            if "cut at" in str(attempt.get("message") or ""):
+                console.print(f"{name}: {attempt['message']}", markup=False)
 
 
 def register(app: typer.Typer) -> None:

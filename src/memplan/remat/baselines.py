@@ -37,10 +37,11 @@ import bisect
 import heapq
 import math
 import time
-from collections.abc import Callable, Set
+from collections.abc import Callable, Iterable, Iterator, Set
 
 from memplan.errors import InfeasibleBudget
 from memplan.remat.coarsen import SolverGraph, coarsen
+from memplan.remat.deadline import Deadline, TimeUp, cut_message, deadline_for, within
 from memplan.remat.lower import InvalidPlan, schedule_from_decisions, validate_sequence
 from memplan.remat.problem import RematProblem, RematSchedule, memory_floor
 
@@ -234,7 +235,9 @@ Part = tuple[int, int]
 class _Dtr:
     """DTR (Kirisame et al. 2021) over a solver graph; see :func:`dtr_rows`."""
 
-    def __init__(self, sg: SolverGraph, budget_bytes: int, staleness_power: float) -> None:
+    def __init__(
+        self, sg: SolverGraph, budget_bytes: int, staleness_power: float, deadline: Deadline | None = None
+    ) -> None:
         from memplan.remat.moccasin import node_reads
 
         self.sg, self.budget, self.power = sg, budget_bytes, staleness_power
@@ -248,35 +251,87 @@ class _Dtr:
         self.live = sg.graph.persistent_bytes
         self.clock = 0
         self.rows: list[list[int]] = [[t] for t in range(sg.size)]
+        self.deadline = deadline
+        self.costs: dict[int, float] = {}  # remake cost per node, for the resident set as it is now
+        self.rereaders: dict[Part, list[int]] = {}  # part -> the nodes whose re-run reads it
+        self.own_parts = [[(k, q) for q in range(len(sg.parts[k]))] for k in range(sg.size)]
+        for k in range(sg.size):
+            for part in self.reads.rerun[k]:
+                self.rereaders.setdefault(part, []).append(k)
 
     def keep(self, part: Part, size: int) -> None:
-        self.live += size - self.resident.get(part, 0)
+        was = self.resident.get(part)
+        self.live += size - (was or 0)
         self.resident[part] = size
         self.touched[part] = self.clock
+        if was is None:
+            self.forget(part)
 
     def drop(self, part: Part) -> None:
         self.live -= self.resident.pop(part)
+        self.forget(part)
 
-    def remake(self, k: int, memo: dict[int, float]) -> float:
-        """Cost of making ``k`` again: itself and every evicted value it reads (DTR's e*)."""
-        if k not in memo:
-            memo[k] = self.sg.cost[k]  # guards the recursion; parts come from earlier nodes
-            memo[k] += sum(self.remake(p, memo) for p, q in self.reads.rerun[k] if (p, q) not in self.resident)
-        return memo[k]
+    def forget(self, part: Part) -> None:
+        """``part`` was made resident or evicted: forget the remake costs that depended on that.
+
+        A cached cost of ``k`` read the residency of every part its re-run reads, and the costs
+        of the evicted ones' nodes; so it goes when one of those parts changes, and with it the
+        cached costs that summed it (readers of an evicted part of ``k``), transitively."""
+        costs, rereaders, resident = self.costs, self.rereaders, self.resident
+        stack = list(rereaders.get(part, ()))
+        while stack:
+            k = stack.pop()
+            if costs.pop(k, None) is None:
+                continue
+            for own in self.own_parts[k]:
+                if own not in resident:
+                    stack += rereaders.get(own, ())
+
+    def remake(self, k: int) -> float:
+        """Cost of making ``k`` again: itself and every evicted value it reads (DTR's e*),
+        recursively; cached per node while the residency it depends on stays as it is (see
+        :meth:`forget`), and summed in the order of the first, recursive version
+        (``tests/core/dtr_reference.py``, recomputed at every eviction), so bit for bit its number."""
+        costs, resident, rerun, cost = self.costs, self.resident, self.reads.rerun, self.sg.cost
+        if k in costs:
+            return costs[k]
+        stack = [k]
+        while stack:  # post-order over the evicted inputs (parts come from earlier nodes: no cycle)
+            n = stack[-1]
+            if n in costs:
+                stack.pop()
+                continue
+            total, missing = 0.0, False  # sum()'s order: 0, then each evicted input's cost
+            for part in rerun[n]:
+                if part not in resident:
+                    value = costs.get(part[0])
+                    if value is None:
+                        stack.append(part[0])
+                        missing = True
+                    elif not missing:
+                        total += value
+            if not missing:
+                stack.pop()
+                costs[n] = cost[n] + total
+        return costs[k]
+
+    def check(self) -> None:
+        if self.deadline is not None:
+            self.deadline.check()
 
     def evict(self, need: int, pinned: set[Part], t: int) -> None:
         """Evict the lowest ``e* / (bytes * staleness^power)`` until ``need`` more bytes fit."""
         sg = self.sg
         while self.live + need > self.budget:
+            self.check()
             candidates = [
                 p for p in self.resident if p not in pinned and sg.limit[p[0]] > t + 1 and sg.recomputable(p[0])
             ]
             if not candidates:
                 raise _Evicted
-            memo: dict[int, float] = {}
 
-            def score(part: Part, memo: dict[int, float] = memo) -> float:
-                return (self.remake(part[0], memo) + 1e-9) / (self.resident[part] * self.weight(part, t))
+            def score(part: Part) -> float:
+                return (self.remake(part[0]) + 1e-9) / (self.resident[part] * self.weight(part, t))
 
             self.drop(min(candidates, key=score))
 
@@ -285,15 +340,27 @@ class _Dtr:
         return float(max(1, self.clock - self.touched[part]) ** self.power)
 
     def run(self, k: int, t: int, wanted: tuple[Part, ...], pinned: set[Part]) -> None:
-        """Run node ``k`` in stage ``t``, first remaking what it reads that was evicted."""
+        """Run node ``k`` in stage ``t``, first remaking what it reads that was evicted
+        (recursively, as DTR does; driven by a stack, so any depth of remakes runs)."""
+        frames: list[Iterator[Iterator[None]]] = [self.runs(k, t, wanted, pinned)]
+        while frames:
+            inner = next(frames[-1], None)
+            if inner is None:
+                frames.pop()
+            else:
+                frames.append(inner)
+
+    def runs(self, k: int, t: int, wanted: tuple[Part, ...], pinned: set[Part]) -> Iterator[Iterator[None]]:
+        """:meth:`run`'s body: yields the run of each evicted input (to be run before it goes on)."""
         sg = self.sg
+        self.check()
         needs = self.reads.first[k] if k == t else self.reads.rerun[k]
         mine = set(pinned)
         for part in needs:
             if part not in self.resident:
                 if not sg.may_run(t, part[0]):
                     raise _Evicted
-                self.run(part[0], t, (part,), mine)
+                yield self.runs(part[0], t, (part,), mine)
             mine.add(part)
         self.evict(sg.peak_bytes[k], mine, t)
         self.clock += 1
@@ -319,20 +386,27 @@ class _Dtr:
         return [sorted(set(r)) for r in self.rows]
 
 
-def dtr_rows(sg: SolverGraph, budget_bytes: int, staleness_power: float = 1.0) -> list[list[int]] | None:
+def dtr_rows(
+    sg: SolverGraph, budget_bytes: int, staleness_power: float = 1.0, deadline: Deadline | None = None
+) -> list[list[int]] | None:
     """Checkmate's ``R`` from a DTR simulation over ``sg`` (None if some run cannot fit).
 
     Memory is that of the lowering: a part of a node's outputs is resident from a run of the
     node until it is evicted or no later first run reads it; a run holds its inputs and its
-    whole peak. Only values whose node may still be re-run are evicted."""
-    return _Dtr(sg, budget_bytes, staleness_power).simulate()
+    whole peak. Only values whose node may still be re-run are evicted. Raises
+    :class:`memplan.remat.deadline.TimeUp` once ``deadline`` has passed: its remakes may
+    thrash (on a random layered DAG of 1000 nodes at 0.9 of its peak it simulates about
+    60,000 runs before it meets one that cannot fit)."""
+    return _Dtr(sg, budget_bytes, staleness_power, deadline).simulate()
 
 
 class _PlannedDtr(_Dtr):
     """DTR planned ahead (see :func:`dtr_planned_rows`)."""
 
-    def __init__(self, sg: SolverGraph, budget_bytes: int, power: float, lookahead: bool) -> None:
-        super().__init__(sg, budget_bytes, power)
+    def __init__(
+        self, sg: SolverGraph, budget_bytes: int, power: float, lookahead: bool, deadline: Deadline | None = None
+    ) -> None:
+        super().__init__(sg, budget_bytes, power, deadline)
         self.lookahead = lookahead
         self.first_readers: dict[Part, list[int]] = {}
         for j in range(sg.size):
@@ -403,6 +477,7 @@ class _PlannedDtr(_Dtr):
         """Remake the cone of stage ``t`` in program order, then run node ``t``; every part the
         stage reads (resident or remade) is pinned until its last read in the stage."""
         sg = self.sg
+        self.check()
         want = self.cone(t)
         reads = {k: self.reads.rerun[k] for k in want} | {t: self.reads.first[t]}
         left: dict[Part, int] = {}
@@ -440,7 +515,9 @@ class _PlannedDtr(_Dtr):
         return [sorted(set(r)) for r in self.rows]
 
 
-def dtr_planned_rows(sg: SolverGraph, budget_bytes: int, power: float, lookahead: bool) -> list[list[int]] | None:
+def dtr_planned_rows(
+    sg: SolverGraph, budget_bytes: int, power: float, lookahead: bool, deadline: Deadline | None = None
+) -> list[list[int]] | None:
     """Checkmate's ``R`` from DTR planned ahead (None if some stage cannot fit).
 
     DTR's simulation (:func:`dtr_rows`) with what an ahead-of-time planner knows: (1) a
@@ -452,7 +529,7 @@ def dtr_planned_rows(sg: SolverGraph, budget_bytes: int, power: float, lookahead
     is about to read); (3) with ``lookahead``, the score divides by the distance to the next
     read instead of the staleness (Belady's MIN, "A study of replacement algorithms for a
     virtual-storage computer", 1966)."""
-    return _PlannedDtr(sg, budget_bytes, power, lookahead).simulate()
+    return _PlannedDtr(sg, budget_bytes, power, lookahead, deadline).simulate()
 
 
 def chen_sqrtn_checkpoints(candidates: list[int]) -> set[int]:
@@ -496,11 +573,14 @@ def greedy_budget_grid(sg: SolverGraph, candidates: set[int]) -> list[float]:
     return grid
 
 
-def revolve_events(steps: int, slots: int) -> list[tuple[int, frozenset[int]]]:
+def revolve_events(steps: int, slots: int, check: Callable[[], None] | None = None) -> list[tuple[int, frozenset[int]]]:
     """Binomial checkpointing (Griewank and Walther's revolve), uniform step cost.
 
     Returns, in reverse order, each step ``j`` (1..steps) with the states stored when it is
-    reversed. ``F(l, c) = min_m m + F(l - m, c - 1) + F(m, c)``, ``F(l, 0) = l(l-1)/2``."""
+    reversed. ``F(l, c) = min_m m + F(l - m, c - 1) + F(m, c)``, ``F(l, 0) = l(l-1)/2``.
+    The table is filled bottom-up and the reversal driven by a stack: no recursion deeper than
+    one level, whatever the chain's length. ``check()`` is called as the table fills (a
+    deadline's: it may raise to stop)."""
     best_split: dict[tuple[int, int], int] = {}
     memo: dict[tuple[int, int], int] = {}
 
@@ -515,30 +595,34 @@ def revolve_events(steps: int, slots: int) -> list[tuple[int, frozenset[int]]]:
             best_split[length, c] = split
         return memo[length, c]
 
+    for c in range(1, slots + 1):  # every entry's inputs are filled before it
+        for length in range(2, steps + 1):
+            cost(length, c)
+            if check is not None:
+                check()
+
     events: list[tuple[int, frozenset[int]]] = []
     stored: set[int] = set()
-
-    def rev(start: int, length: int, c: int) -> None:
+    todo: list[tuple[bool, int, int, int]] = [(True, 0, steps, slots)]  # (reverse?, start, length, slots) or a drop
+    while todo:
+        reverse, start, length, c = todo.pop()
+        if not reverse:
+            stored.discard(start)
+            continue
         if length <= 1 or c == 0:
             events.extend((j, frozenset(stored)) for j in range(start + length, start, -1))
-            return
+            continue
         cost(length, c)
         m = best_split[length, c]
         stored.add(start + m)
-        rev(start + m, length - m, c - 1)
-        stored.discard(start + m)
-        rev(start, m, c)
-
-    for length in range(2, steps + 1):  # fill the memo bottom-up: no deep recursion
-        cost(length, slots)
-    rev(0, steps, slots)
+        todo += [(True, start, m, c), (False, start + m, 0, 0), (True, start + m, length - m, c - 1)]
     return events
 
 
-def _revolve_rows(sg: SolverGraph, slots: int) -> list[list[int]]:
+def _revolve_rows(sg: SolverGraph, slots: int, check: Callable[[], None] | None = None) -> list[list[int]]:
     chain = chain_nodes(sg)
     index = {k: n + 1 for n, k in enumerate(chain)}
-    stored_when = dict(revolve_events(len(chain), slots))
+    stored_when = dict(revolve_events(len(chain), slots, check))
     reversing = [max((index[p] for p in sg.preds[t] if p in index), default=0) for t in range(sg.size)]
     upcoming: list[frozenset[int]] = [frozenset()] * (sg.size + 1)
     for t in range(sg.size - 1, -1, -1):
@@ -568,35 +652,75 @@ def _pick(
     problem: RematProblem,
     sg: SolverGraph,
     name: str,
-    candidates: list[list[list[int]] | None],
+    candidates: Iterable[list[list[int]] | None],
     validate: bool = False,
+    clock: Deadline | None = None,
+    total: int = 0,
+    cut: bool = False,
+    empty: tuple[str, str] | None = None,
 ) -> RematSchedule:
     """Lower every candidate R; the cheapest within budget wins, else the lowest peak. With
     ``validate``, a lowered sequence that fails :func:`validate_sequence` is dropped (DTR planned
-    ahead can ask for a re-run while the first instance is still resident)."""
-    start = time.perf_counter()
+    ahead can ask for a re-run while the first instance is still resident).
+
+    ``candidates`` may be lazy (a generator, ``total`` of them): with ``clock``, no further one
+    is made once it has passed and a plan is in hand, nor once making one raises
+    :class:`TimeUp`; then (or with ``cut``: the caller stopped making them) the answer says it
+    was cut (:func:`cut_message`, ``details["cut_seconds"]``), and without any plan its status
+    is "unknown". ``empty``: (status, message) when no candidate was made at all (all None)."""
+    start = clock.start if clock is not None else time.perf_counter()
     plans = []
-    for rows_ in candidates:
+    done = made = 0
+    items = iter(candidates)
+    while True:
+        if clock is not None and plans and done < total and clock.expired():
+            cut = True
+            break
+        try:
+            rows_ = next(items)
+        except StopIteration:
+            break
+        except TimeUp:
+            cut = True
+            break
+        done += 1
         try:
             if rows_ is not None:
+                made += 1
                 plan = schedule_from_decisions(problem, sg, rows_, name, "heuristic")
                 if validate:
                     validate_sequence(problem.graph, plan.steps)
                 plans.append(plan)
         except InvalidPlan:
             continue
+    seconds = time.perf_counter() - start
+    note = cut_message(name, seconds, len(plans) and done, total) if cut else ""
     if not plans:
+        if cut:
+            return _no_plan(problem, name, "unknown", note, seconds)
+        if empty is not None and not made:
+            return _no_plan(problem, name, empty[0], empty[1], seconds)
         why = f"{name}: every plan it tried needs a dropped value after that value's re-run window closed"
         if validate:
             why = f"{name}: every plan it tried is invalid once lowered (see validate_sequence)"
         return _not_applicable(problem, name, why)
     fits = [p for p in plans if p.peak_bytes <= problem.budget_bytes]
     best = min(fits, key=lambda p: (p.compute_cost, p.peak_bytes)) if fits else min(plans, key=lambda p: p.peak_bytes)
-    best.seconds = time.perf_counter() - start
+    best.seconds = seconds
     if not fits:
         best.status = "over-budget"
         best.message = f"{name}: lowest peak {best.peak_bytes} B exceeds the budget {problem.budget_bytes} B"
+    if cut:
+        best.details["cut_seconds"] = round(seconds, 3)
+        best.message = f"{best.message}; {note}" if best.message else note
     return best
+
+
+def _no_plan(problem: RematProblem, name: str, status: str, why: str, seconds: float = 0.0) -> RematSchedule:
+    plan = RematSchedule(name, problem.budget_bytes, [], 0, 0.0, problem.plain_cost, status, seconds, message=why)
+    if status == "unknown":
+        plan.details["cut_seconds"] = round(seconds, 3)
+    return plan
 
 
 def _not_applicable(problem: RematProblem, name: str, why: str) -> RematSchedule:
@@ -636,22 +760,27 @@ def _without_split(problem: RematProblem, name: str) -> RematSchedule | None:
 
 
 def _sqrtn(problem: RematProblem, name: str, candidates: list[int]) -> RematSchedule:
+    clock = deadline_for(problem.time_limit_seconds)
     missing = _without_split(problem, name)
     if missing is not None:
         return missing
     sg = solver_graph(problem)
-    return _pick(problem, sg, name, [_attempt(lambda: _chen_rows(sg, chen_sqrtn_checkpoints(candidates)))])
+    rows_ = (_attempt(lambda: _chen_rows(sg, chen_sqrtn_checkpoints(candidates))) for _ in range(1))
+    return _pick(problem, sg, name, rows_, clock=clock, total=1)
 
 
 def _greedy(problem: RematProblem, name: str, candidates: list[int]) -> RematSchedule:
+    clock = deadline_for(problem.time_limit_seconds)
     missing = _without_split(problem, name)
     if missing is not None:
         return missing
     sg = solver_graph(problem)
     cand = set(candidates)
-    sets = {frozenset(chen_greedy_checkpoints(sg, cand, b)[0]) for b in greedy_budget_grid(sg, cand)}
-    rows_ = [_attempt(lambda c=c: _chen_rows(sg, set(c))) for c in sorted(sets, key=sorted)]
-    return _pick(problem, sg, name, rows_)
+    sets = sorted(
+        {frozenset(chen_greedy_checkpoints(sg, cand, b)[0]) for b in greedy_budget_grid(sg, cand)}, key=sorted
+    )
+    rows_ = (_attempt(lambda c=c: _chen_rows(sg, set(c))) for c in sets)
+    return _pick(problem, sg, name, rows_, clock=clock, total=len(sets))
 
 
 def _linear_candidates(sg: SolverGraph) -> list[int]:
@@ -688,9 +817,10 @@ def griewank(problem: RematProblem) -> RematSchedule:
     sg = solver_graph(problem)
     if not is_linear(sg):
         return _not_applicable(problem, "griewank", "griewank: revolve needs a linear forward graph")
-    length = len(_linear_candidates(sg))
-    rows_ = [_attempt(lambda c=c: _revolve_rows(sg, c)) for c in range(1, max(2, length + 1))]
-    return _pick(problem, sg, "griewank", rows_)
+    clock = deadline_for(problem.time_limit_seconds)
+    slots = range(1, max(2, len(_linear_candidates(sg)) + 1))
+    rows_ = (_attempt(lambda c=c: _revolve_rows(sg, c, clock.check)) for c in slots)
+    return _pick(problem, sg, "griewank", rows_, clock=clock, total=len(slots))
 
 
 def ap_sqrtn(problem: RematProblem) -> RematSchedule:
@@ -714,20 +844,24 @@ def chen_drop_cheap(problem: RematProblem) -> RematSchedule:
     missing = _without_split(problem, "chen-drop-cheap")
     if missing is not None:
         return missing
+    clock = deadline_for(problem.time_limit_seconds)
     sg = solver_graph(problem)
     order = cheapest_first(sg, chain_nodes(sg))
-    candidates = [_attempt(lambda m=m: _drop_rows(sg, set(order[:m]))) for m in drop_counts(len(order))]
-    return _pick(problem, sg, "chen-drop-cheap", candidates)
+    counts = drop_counts(len(order))
+    candidates = (_attempt(lambda m=m: _drop_rows(sg, set(order[:m]))) for m in counts)
+    return _pick(problem, sg, "chen-drop-cheap", candidates, clock=clock, total=len(counts))
 
 
 def dtr(problem: RematProblem) -> RematSchedule:
-    """DTR's eviction heuristic with staleness weights 0, 1 and 2 (the cheapest plan wins)."""
+    """DTR's eviction heuristic with staleness weights 0, 1 and 2 (the cheapest plan wins),
+    within the problem's time limit (or the caller's deadline): cut, and said so, when its
+    simulation runs out of time."""
+    clock = deadline_for(problem.time_limit_seconds)
     sg = solver_graph(problem)
-    candidates = [dtr_rows(sg, problem.budget_bytes, power) for power in (0.0, 1.0, 2.0)]
-    if not any(candidates):
-        why = f"dtr: the simulation cannot fit some run within {problem.budget_bytes} B"
-        return RematSchedule("dtr", problem.budget_bytes, [], 0, 0.0, problem.plain_cost, "over-budget", message=why)
-    return _pick(problem, sg, "dtr", candidates)
+    powers = (0.0, 1.0, 2.0)
+    candidates = (dtr_rows(sg, problem.budget_bytes, power, clock) for power in powers)
+    why = f"dtr: the simulation cannot fit some run within {problem.budget_bytes} B"
+    return _pick(problem, sg, "dtr", candidates, clock=clock, total=len(powers), empty=("over-budget", why))
 
 
 PLANNED_DTR_VARIANTS = ((0.0, False), (0.5, False), (1.0, False), (2.0, False), (0.5, True), (1.0, True), (2.0, True))
@@ -743,23 +877,37 @@ def dtr_planned(problem: RematProblem) -> RematSchedule:
     where none fits, the same at lower internal budgets, evenly spaced down to the memory floor
     (:data:`DESCENT_STEPS`, within :data:`DESCENT_SHARE` of the time limit), until a plan fits
     the real budget: the simulation is not monotone in its budget (evicting more early can
-    leave room for a remake later). The cheapest plan that fits wins."""
-    start = time.perf_counter()
+    leave room for a remake later). The cheapest plan that fits wins. Within the problem's time
+    limit (or the caller's deadline): a simulation that runs out of time is cut, the plans made
+    so far kept, and the answer says so."""
+    clock = deadline_for(problem.time_limit_seconds)
     sg = solver_graph(problem)
     floor = memory_floor(problem).bytes
     budget = problem.budget_bytes
     first: RematSchedule | None = None
     for step in range(DESCENT_STEPS):
         inner = budget - step * max(0, budget - floor) // DESCENT_STEPS
-        if step and (inner == budget or time.perf_counter() - start > DESCENT_SHARE * problem.time_limit_seconds):
+        if step and (inner == budget or clock.elapsed() > DESCENT_SHARE * problem.time_limit_seconds):
             break
-        plans = [dtr_planned_rows(sg, inner, power, ahead) for power, ahead in PLANNED_DTR_VARIANTS]
-        found = _pick(problem, sg, "dtr-planned", plans, validate=True) if any(plans) else None
+        plans: list[list[list[int]] | None] = []
+        cut = False
+        try:
+            for power, ahead in PLANNED_DTR_VARIANTS:
+                plans.append(dtr_planned_rows(sg, inner, power, ahead, clock))
+        except TimeUp:
+            cut = True
+        total = len(PLANNED_DTR_VARIANTS)
+        found = None
+        if any(plans) or cut:
+            found = _pick(problem, sg, "dtr-planned", plans, validate=True, clock=clock, total=total, cut=cut)
         if found is not None and found.feasible:
             return found
-        first = first or found
+        if found is not None and (first is None or (not first.steps and found.steps)):
+            first = found
+        if cut:
+            break
     if first is not None:
-        return first  # over the budget: its lowest peak (a start for the CP model's phase 1)
+        return first  # over the budget: its lowest peak (a start for the CP model's phase 1), or cut
     why = f"dtr-planned: the simulation cannot fit some stage within {budget} B, nor at lower internal budgets"
     return RematSchedule("dtr-planned", budget, [], 0, 0.0, problem.plain_cost, "over-budget", message=why)
 
@@ -777,6 +925,43 @@ BASELINES: dict[str, Callable[[RematProblem], RematSchedule]] = {
     "dtr": dtr,
     "dtr-planned": dtr_planned,
 }
+
+
+ONE_BASELINE_SHARE = 0.5
+"""Where baselines run one after another within a phase, one may use at most this share of the
+time the phase has left (DTR's remakes can thrash for minutes on a large graph) ..."""
+ONE_BASELINE_MIN_SHARE = 0.1
+"""... but at least this share of the whole time limit (never past the phase's end)."""
+
+
+def baseline_deadline(phase_end: float, hard_end: float, time_limit_seconds: float) -> Deadline:
+    """The deadline of the next baseline of a phase that ends at ``phase_end`` (a
+    ``time.perf_counter()`` value): :data:`ONE_BASELINE_SHARE` of the phase's time left, at least
+    :data:`ONE_BASELINE_MIN_SHARE` of ``time_limit_seconds``, never past ``hard_end``."""
+    now = time.perf_counter()
+    allowance = max(ONE_BASELINE_SHARE * (phase_end - now), ONE_BASELINE_MIN_SHARE * time_limit_seconds)
+    return Deadline(now, min(hard_end, now + allowance))
+
+
+def run_baselines(
+    problem: RematProblem, names: Iterable[str], phase_seconds: float, plans: dict[str, RematSchedule] | None = None
+) -> dict[str, RematSchedule]:
+    """The baselines ``names``, in that order, within ``phase_seconds`` (and the caller's
+    deadline), each within :func:`baseline_deadline` (the last within what the phase has left);
+    once the phase is spent the rest are not
+    run and say so (status "unknown"). Each plan is put in ``plans`` (given: as it comes)."""
+    phase = deadline_for(phase_seconds)
+    plans = {} if plans is None else plans
+    names = list(names)
+    for n, name in enumerate(names):
+        if phase.expired():
+            why = f"{name}: not run: the baselines' share of the time limit ({phase_seconds:.1f} s) was spent"
+            plans[name] = _no_plan(problem, name, "unknown", why)
+            continue
+        last = n == len(names) - 1  # the last one may use all the phase has left
+        with within(phase if last else baseline_deadline(phase.end, phase.end, problem.time_limit_seconds)):
+            plans[name] = BASELINES[name](problem)
+    return plans
 
 
 def require_feasible(schedule: RematSchedule) -> RematSchedule:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from memplan.errors import MemplanError
-from memplan.remat.baselines import BASELINES, solver_graph
+from memplan.remat.baselines import BASELINES, run_baselines, solver_graph
 from memplan.remat.coarsen import SolverGraph
 from memplan.remat.highs import require_highs, solve_highs
 from memplan.remat.lower import schedule_from_decisions
@@ -242,9 +242,14 @@ def rows_from_values(mm: _Model, value: Callable[[cp_model.IntVar], float], n: i
     return [sorted([t] + [i for i in range(t) if (t, i) in mm.R and value(mm.R[t, i]) > 0.5]) for t in range(n)]
 
 
+WARM_START_SHARE = 0.25
+"""The baselines that warm-start the MILP get at most this share of its time limit (:func:`best_baseline`)."""
+
+
 def best_baseline(problem: RematProblem) -> RematSchedule | None:
-    """The cheapest baseline plan within budget (None if none fits)."""
-    plans = [solve(problem) for name, solve in BASELINES.items()]
+    """The cheapest baseline plan within budget (None if none fits), from the baselines run
+    within :data:`WARM_START_SHARE` of the time limit (:func:`memplan.remat.baselines.run_baselines`)."""
+    plans = list(run_baselines(problem, BASELINES, WARM_START_SHARE * problem.time_limit_seconds).values())
     fits = [p for p in plans if p.feasible]
     return min(fits, key=lambda p: (p.compute_cost, p.peak_bytes)) if fits else None
 
@@ -258,7 +263,11 @@ def check_solver(solver: str) -> None:
 
 
 def solve_checkmate(
-    problem: RematProblem, warm: RematSchedule | None = None, solver: str = "cp-sat", gap_limit: float = 0.0
+    problem: RematProblem,
+    warm: RematSchedule | None = None,
+    solver: str = "cp-sat",
+    gap_limit: float = 0.0,
+    on_solution: Callable[[float, float], None] | None = None,
 ) -> RematSchedule:
     """Checkmate's MILP, warm-started from the best baseline; never worse than that baseline.
 
@@ -267,7 +276,8 @@ def solve_checkmate(
     (``relative_gap_limit``; the objective 4.3 is the whole step's compute, so the gap is
     relative to it); 0 searches until optimal or out of time. ``details["found_at"]``: the
     seconds from the call's start until the returned plan was found (the baselines' end for
-    a baseline's plan, else the MILP's last improving solution)."""
+    a baseline's plan, else the MILP's last improving solution). ``on_solution(cost, bound)``:
+    each improving solution of CP-SAT, in the step's cost units (rounded as the model rounds)."""
     check_solver(solver)
     start = time.perf_counter()
     sg = solver_graph(problem)
@@ -280,12 +290,20 @@ def solve_checkmate(
     mm = build_model(sg, problem.budget_bytes, problem.graph.persistent_bytes)
     hinted = False
     if warm is not None and "rows" in warm.details:
-        hinted = complete_hints(mm, sg, warm.details["rows"], problem.time_limit_seconds / 4)  # type: ignore[arg-type]
+        left = problem.time_limit_seconds - (time.perf_counter() - start)  # the model may take seconds to build
+        hinted = complete_hints(mm, sg, warm.details["rows"], max(0.1, left / 4))  # type: ignore[arg-type]
     exact = all(len(members) == 1 for members in sg.groups)
     if mm.infeasible:
         return found.mark(_finish(problem, warm, None, "infeasible", None, start, solver, exact), warm_at)
     left = max(0.1, problem.time_limit_seconds - (time.perf_counter() - start))
-    status, rows_ = _solve_model(mm, sg.size, problem.with_time_limit(left), solver, gap_limit, found)
+    heard = found.solution
+    if on_solution is not None:
+
+        def heard(objective: float, bound: float) -> None:
+            found.solution(objective, bound)
+            on_solution(objective * mm.cost_unit, bound * mm.cost_unit)
+
+    status, rows_ = _solve_model(mm, sg.size, problem.with_time_limit(left), solver, gap_limit, found, heard)
     if rows_ is None:
         return found.mark(_finish(problem, warm, None, status.status, status.gap, start, solver, exact), warm_at)
     plan = schedule_from_decisions(problem, sg, rows_, "checkmate", status.status)
@@ -296,7 +314,13 @@ def solve_checkmate(
 
 
 def _solve_model(
-    mm: _Model, n: int, problem: RematProblem, solver: str, gap_limit: float = 0.0, found: Found | None = None
+    mm: _Model,
+    n: int,
+    problem: RematProblem,
+    solver: str,
+    gap_limit: float = 0.0,
+    found: Found | None = None,
+    heard: Callable[[float, float], None] | None = None,
 ) -> tuple[SolveStatus, list[list[int]] | None]:
     """Solve the model with ``solver``; the status and ``R`` as rows (None without a solution)."""
     if solver == "highs":
@@ -311,7 +335,7 @@ def _solve_model(
         mm.model,
         problem.time_limit_seconds,
         workers=problem.workers,
-        progress=found.solution if found is not None else None,
+        progress=heard or (found.solution if found is not None else None),
         parameters={"relative_gap_limit": gap_limit} if gap_limit > 0 else None,
     )
     if status.status not in ("optimal", "feasible"):

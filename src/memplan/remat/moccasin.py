@@ -579,11 +579,13 @@ def stage_cut_relaxation(
         chosen = cuts.support(solver.value) if status.status in ("optimal", "feasible") else []
         return CutRelaxation(cuts.in_cost_units(status.bound, plain), _rerun(events, chosen), status)
     cuts = _relaxation_model(sg, reads, events, windows, units, reader_windows=False)
-    status, fractional = solve_as_mip(cuts.model, seconds, relax=True)
+    # the models' building counts in the time (seconds on a graph of 2000 nodes)
+    status, fractional = solve_as_mip(cuts.model, max(0.1, seconds - (time.perf_counter() - start)), relax=True)
     lp_bound, tight = cuts.in_cost_units(status.bound, plain), cuts
     if seconds >= TIGHT_LP_MIN_SECONDS:
         windowed = _relaxation_model(sg, reads, events, windows, units, reader_windows=True)
-        found, values = solve_as_mip(windowed.model, TIGHT_LP_SHARE * seconds, relax=True)
+        share = min(TIGHT_LP_SHARE * seconds, seconds - (time.perf_counter() - start))
+        found, values = solve_as_mip(windowed.model, max(0.1, share), relax=True)
         bound = windowed.in_cost_units(found.bound, plain)
         if bound is not None and (lp_bound is None or bound > lp_bound):
             status, fractional, lp_bound, tight = found, values, bound, windowed

@@ -53,10 +53,12 @@ import time
 from collections.abc import Callable
 
 from memplan.graph.ir import Graph
-from memplan.remat.baselines import BASELINES
+from memplan.remat.baselines import BASELINES, baseline_deadline
 from memplan.remat.bounds import SCOPE as COVER_SCOPE
 from memplan.remat.bounds import drop_cover_bound
 from memplan.remat.coarsen import SolverGraph, coarsen
+from memplan.remat.deadline import Deadline, ticking, within
+from memplan.remat.deadline import current as current_deadline
 from memplan.remat.highs import highs_available
 from memplan.remat.lns import improve
 from memplan.remat.lower import InvalidPlan, validate_sequence
@@ -203,7 +205,15 @@ def solve_remat(
     kept, in order, with the seconds from the call's start at which it was found.
     """
     start = time.perf_counter()
-    report = progress or (lambda _: None)
+    outer = current_deadline()
+    clock = Deadline(start, start + time_limit_seconds if outer is None else min(outer.end, start + time_limit_seconds))
+    stage = ["starting"]
+
+    def report(text: str) -> None:
+        stage[0] = text
+        if progress is not None:
+            progress(text)
+
     problem = RematProblem(
         graph,
         int(budget_bytes),
@@ -221,23 +231,36 @@ def solve_remat(
             "plan (memory floor: its inputs and outputs, and values nothing can make again)"
         )
         return _no_plan(problem, "infeasible", why, start, {"floor_bytes": floor.bytes})
-    run = _Portfolio(problem, start, gap_limit, report, formulations, reorder)
+    run = _Portfolio(problem, start, gap_limit, report, formulations, reorder, clock.end)
+    with within(clock), ticking(progress, lambda: stage[0], run.state):
+        _solve(run, runs_per_node)
+    return run.result(floor.bytes)
+
+
+def _solve(run: _Portfolio, runs_per_node: int) -> None:
+    """The members of the portfolio, in order, until the plan is proven or the time is spent."""
+    reorder, formulations = run.reorder, run.formulations
     try:
         if not reorder:
-            run.take_bound(drop_cover_bound(problem).cost, COVER_SCOPE, run.whole)
+            run.take_bound(drop_cover_bound(run.problem).cost, COVER_SCOPE, run.whole)
         run.baselines()
         if "moccasin" in formulations and not reorder and not run.done():
             run.relaxation(runs_per_node)
         if "moccasin" in formulations and not reorder and not run.done():
             run.neighbourhoods(runs_per_node)
-        if "moccasin" in formulations and not run.done() and not (run.searched and run.left() < CP_MIN_SECONDS):
+        late = run.left() < MARGIN_SECONDS and run.best is not None  # its model would end past the limit
+        if (
+            "moccasin" in formulations
+            and not run.done()
+            and not late
+            and not (run.searched and run.left() < CP_MIN_SECONDS)
+        ):
             run.moccasin(runs_per_node)
         if "checkmate" in formulations and not run.done() and run.left() >= MILP_MIN_SECONDS:
             run.checkmate()
         run.collect_cut_milp(wait=not run.proven())
     finally:
         run.stop_cut_milp()
-    return run.result(floor.bytes)
 
 
 class _Portfolio:
@@ -251,10 +274,13 @@ class _Portfolio:
         report: Progress,
         formulations: tuple[str, ...],
         reorder: bool = False,
+        end: float | None = None,
     ) -> None:
         self.problem, self.start, self.gap_limit, self.report = problem, start, gap_limit, report
+        self.end = start + problem.time_limit_seconds if end is None else end  # a time.perf_counter() value
         self.formulations = formulations
         self.whole = coarsen(problem, WHOLE)
+        self._whole_events: int | None = None
         self.best: RematSchedule | None = None
         self.attempts: list[dict[str, object]] = []
         self.bound: float | None = problem.plain_cost  # every op runs at least once
@@ -275,7 +301,18 @@ class _Portfolio:
         self.cut_milp_began = 0.0
 
     def left(self) -> float:
-        return self.problem.time_limit_seconds - (time.perf_counter() - self.start)
+        return self.end - time.perf_counter()
+
+    def whole_events(self) -> int:
+        """The events of the CP model over the whole graph (computed once: 7 s on 2000 nodes)."""
+        if self._whole_events is None:
+            self._whole_events = _events(self.whole)
+        return self._whole_events
+
+    def state(self) -> tuple[float | None, float | None, float]:
+        """(best plan's cost, bound, plain step's cost): what the progress lines show."""
+        best = self.best
+        return (best.compute_cost if best is not None else None), self.bound, self.problem.plain_cost
 
     def done(self) -> bool:
         """The best plan is proven optimal or within the gap limit, or no time is left."""
@@ -326,7 +363,7 @@ class _Portfolio:
         and some plan is in hand: on a slow or loaded machine a baseline that fits is not skipped
         for time while the step would otherwise be refused for want of a plan."""
         self.report("baselines")
-        deadline = self.start + BASELINE_SHARE * self.problem.time_limit_seconds
+        deadline = min(self.start + BASELINE_SHARE * self.problem.time_limit_seconds, self.end)
         for name in BASELINE_ORDER:
             if name not in ALWAYS_RUN and self.proven():
                 self.attempts.append({"name": name, "status": "skipped", "message": "a plan is proven within the gap"})
@@ -334,8 +371,13 @@ class _Portfolio:
             if time.perf_counter() > deadline and self.best is not None:
                 self.attempts.append({"name": name, "status": "skipped", "message": "the baselines' time is spent"})
                 continue
+            if self.left() < (MARGIN_SECONDS if self.best is not None else 0.0):
+                self.attempts.append({"name": name, "status": "skipped", "message": "the time is spent"})
+                continue
             began = time.perf_counter()
-            plan = BASELINES[name](self.problem)
+            hard = deadline if self.best is not None else self.end
+            with within(baseline_deadline(deadline, hard, self.problem.time_limit_seconds)):
+                plan = BASELINES[name](self.problem)  # cut, and said so, at its share of the time
             self.offer(plan, name, self.whole)
             self.lowest = _lower_peak(self.lowest, plan)
             self.attempts.append(_attempt(name, plan, time.perf_counter() - began, self.whole.size))
@@ -350,7 +392,9 @@ class _Portfolio:
         sg = coarsen(problem, MILP_NODES)
         for name in COARSE_BASELINES:
             began = time.perf_counter()
-            plan = BASELINES[name](problem)
+            end = self.end - MARGIN_SECONDS
+            with within(baseline_deadline(end, end, self.problem.time_limit_seconds)):
+                plan = BASELINES[name](problem)
             self.offer(plan, f"{name} over {sg.size} nodes", sg)
             self.attempts.append(_attempt(f"{name} over {sg.size} nodes", plan, time.perf_counter() - began, sg.size))
 
@@ -393,7 +437,7 @@ class _Portfolio:
         self.take_bound(relaxed.bound, CUT_SCOPE, self.whole)
         nodes = set(relaxed.rerun)
         movable = sum(1 for k in range(self.whole.size) if self.whole.recomputable(k))
-        searches = self.best_whole is not None and _events(self.whole) >= LNS_MIN_EVENTS
+        searches = self.best_whole is not None and self.whole_events() >= LNS_MIN_EVENTS
         for _ in range((RESTRICTED_WIDENINGS_BEFORE_LNS if searches else RESTRICTED_WIDENINGS) + 1):
             if self.done() or not nodes or len(nodes) > RESTRICTED_MAX_FRACTION * movable:
                 return
@@ -467,7 +511,7 @@ class _Portfolio:
         :data:`LNS_MIN_EVENTS` events (smaller ones the whole model searches better, and proves);
         one neighbourhood per worker at once (:func:`memplan.remat.lns.improve`'s ``threads``)."""
         start = self.best_whole
-        if start is None or _events(self.whole) < LNS_MIN_EVENTS:
+        if start is None or self.whole_events() < LNS_MIN_EVENTS:
             return
         self.searched = True
         seconds = self.left() - MARGIN_SECONDS
@@ -565,11 +609,11 @@ class _Portfolio:
     def cp_graph(self) -> SolverGraph:
         """The whole graph, or the finest coarsening whose CP model fits the time left."""
         limit = EVENTS_PER_SECOND * max(1.0, self.left())
-        if _events(self.whole) <= limit:
+        if self.whole_events() <= limit:
             return self.whole
         low, high = 20, self.whole.size
         best = coarsen(self.problem, low)
-        while high - low > 8:
+        while high - low > 8 and self.left() > MARGIN_SECONDS:  # each step coarsens the whole graph again
             mid = (low + high) // 2
             sg = coarsen(self.problem, mid)
             if _events(sg) <= limit:
@@ -745,9 +789,27 @@ def solve_remat_within_overhead(
     "at most 10% more compute"), by bisection over the budget between the memory floor and
     the checkpoint-all peak: ``probes`` calls of :func:`solve_remat`, each with an equal share
     of the time. The checkpoint-all plan (overhead 0) is the answer when nothing lower fits."""
+    start = time.perf_counter()
+    with within(Deadline.after(time_limit_seconds)):
+        best = _lowest_within(graph, max_overhead, time_limit_seconds, probes, cost, workspace, workers, progress)
+    best.seconds = time.perf_counter() - start
+    best.details["max_overhead"] = max_overhead
+    return best
+
+
+def _lowest_within(
+    graph: Graph,
+    max_overhead: float,
+    time_limit_seconds: float,
+    probes: int,
+    cost: tuple[float, ...],
+    workspace: tuple[int, ...],
+    workers: int,
+    progress: Progress | None,
+) -> RematSchedule:
+    """:func:`solve_remat_within_overhead`'s bisection (its time limit set around it)."""
     from memplan.remat.baselines import checkpoint_all
 
-    start = time.perf_counter()
     base = RematProblem(graph, 10**18, cost, workers=workers, max_solver_nodes=WHOLE, workspace=workspace)
     best = checkpoint_all(base)
     best.status, best.gap = "optimal", 0.0
@@ -762,6 +824,4 @@ def solve_remat_within_overhead(
             best, high = plan, plan.peak_bytes
         else:
             low = budget + 1
-    best.seconds = time.perf_counter() - start
-    best.details["max_overhead"] = max_overhead
     return best
