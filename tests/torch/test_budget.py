@@ -364,3 +364,22 @@ def test_a_budget_step_on_cuda_recomputes_cudnn_batch_norms_like_eager() -> None
     }
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+def test_the_advice_names_the_reordered_peak_when_no_remat_plan_is_smaller() -> None:
+    """Issue 33: the Llama case was told to raise the budget to checkpoint-all's peak though the
+    reordered plan, which recomputes nothing, peaked lower and runs."""
+    from types import SimpleNamespace
+
+    from memplan.report.format import format_bytes
+    from memplan.torch.capture import capture_train_step
+    from memplan.torch.run.budget import _infeasible_message
+
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    graph = capture_train_step(model, opt, torch.nn.functional.cross_entropy, _batch("mlp")).graph
+    unknown = SimpleNamespace(status="unknown", details={})
+    reordered = 2000  # below every baseline (the parameters alone are larger): the advice must name it
+    message = _infeasible_message(graph, 1000, 10**12, unknown, (), reordered_bytes=reordered, time_limit_seconds=1)
+    assert "\n" not in message
+    assert f"raise memory_budget to at least {format_bytes(reordered)}" in message
