@@ -5,6 +5,8 @@ python bench/report.py
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,7 +34,10 @@ ORDER = [
     "remat_portfolio_rest",
     "remat_portfolio_gap1",
     "remat_portfolio_n250_60s",
+    "remat_scale",
     "budget",
+    "fit",
+    "fit.unet",
     "cuda",
     "cuda_budget",
     "streams",
@@ -41,17 +46,42 @@ ORDER = [
 ]
 
 
-def main() -> None:
+LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s#]+)")
+
+
+def relink(text: str, source: Path, target: Path) -> str:
+    """Rewrite the relative links of ``text``, written in folder ``source``, to work from folder ``target``."""
+
+    def fix(match: re.Match[str]) -> str:
+        link = match.group(2)
+        if re.match(r"[a-z]+:", link) or link.startswith("/"):
+            return match.group(0)
+        return match.group(1) + os.path.relpath((source / link).resolve(), target)
+
+    return LINK.sub(fix, text)
+
+
+def table_names() -> list[str]:
+    """The stems of bench/results/*.md in the page's order: ORDER first, then the rest by name."""
+    results = ROOT / "bench" / "results"
+    names = [n for n in ORDER if (results / f"{n}.md").exists()]
+    return names + sorted(p.stem for p in results.glob("*.md") if p.stem not in ORDER)
+
+
+def build() -> str:
+    """docs/results.md's text: docs/results-intro.md, then every table with its headings demoted."""
     results = ROOT / "bench" / "results"
     parts = [(ROOT / "docs" / "results-intro.md").read_text().rstrip() + "\n"]
-    names = [n for n in ORDER if (results / f"{n}.md").exists()]
-    names += sorted(p.stem for p in results.glob("*.md") if p.stem not in ORDER)
-    for name in names:
-        text = (results / f"{name}.md").read_text().rstrip()
+    for name in table_names():
+        text = relink((results / f"{name}.md").read_text().rstrip(), results, ROOT / "docs")
         demoted = "\n".join("#" + line if line.startswith("#") else line for line in text.splitlines())
         parts.append("\n" + demoted + "\n")
-    (ROOT / "docs" / "results.md").write_text("\n".join(parts))
-    print(f"wrote docs/results.md from {', '.join(names)}")
+    return "\n".join(parts)
+
+
+def main() -> None:
+    (ROOT / "docs" / "results.md").write_text(build())
+    print(f"wrote docs/results.md from {', '.join(table_names())}")
 
 
 if __name__ == "__main__":
