@@ -19,11 +19,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests bench examples
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -n auto -m "not slow"
 
 test-all: $(STAMP)
 	$(BIN)/ruff check src tests bench examples
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples

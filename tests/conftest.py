@@ -1,0 +1,63 @@
+"""The default run (`make test`) keeps one case of each kind; the siblings below re-check the same
+code path on another optimizer form, model or allocator and run with `make test-all` (marked
+``slow`` here, so the list of what moved is in one place). Each entry names the sibling that
+stays in the default run."""
+
+from __future__ import annotations
+
+import pytest
+
+# test name -> the parametrisation ids that only re-measure a path a kept sibling already covers
+REMEASURES: dict[str, set[str]] = {
+    # kept: every optimizer once, each form (for-loop, foreach, fused) on several, the warm states
+    # and the refused ones; the rest of the matrix runs in `make test-all` and bench/optimizers.py
+    "test_every_optimizer_variant_trains_like_eager_or_is_refused_at_compile_time": {
+        "SGD[plain]",
+        "SGD[fused]",
+        "Adam[foreach]",
+        "Adam[fused]",
+        "AdamW[plain]",
+        "AdamW[foreach]",
+        "Adamax[plain]",
+        "NAdam[foreach]",
+        "RAdam[plain]",
+        "Adagrad[plain]",
+        "Adagrad[foreach]",
+        "Adadelta[foreach]",
+        "RMSprop[plain]",
+        "Rprop[foreach]",
+        "ASGD[plain]",
+        "ASGD[foreach]",
+        "Adafactor[plain]",
+    },
+    # kept: SGD[plain], AdamW[fused]
+    "test_arena_views_runtime_also_trains_like_eager": {"Adam[plain]", "Adam[foreach]", "AdamW[plain]"},
+    # kept: GPT-2 with accumulation, BERT with clipping (the MLP runs every feature)
+    "test_hf_models_with_their_loss_in_the_output": {
+        "GPT-2 (2 layers, 32)-dict batch, loss from the output",
+        "GPT-2 (2 layers, 32)-float16 + GradScaler (skipped steps)",
+        "BERT (2 layers, 32)-nested batch",
+        "BERT (2 layers, 32)-autocast bfloat16",
+    },
+    # kept: mlp-views, cnn-bn-replay, gpt2-replay
+    "test_generated_and_interpreted_steps_give_the_same_bits": {
+        "foreach optimizer-mlp-replay",
+        "foreach optimizer-cnn-bn-views",
+        "foreach optimizer-gpt2-views",
+    },
+    # kept: fused optimizer, the scaler's skipped steps
+    "test_every_loop_feature_gives_the_same_bits_generated_and_interpreted": {
+        "gradient accumulation (2 micro-batches)-replay",
+        "nested batch-replay",
+    },
+    # kept: mlp at both batches, vgg16-2-sgd, gpt2-2l-1-adam
+    "test_program_order_peak_matches_measured_eager_peak": {"vgg16-16-adamw", "gpt2-2l-4-sgd"},
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.id in REMEASURES.get(item.originalname, ()):
+            item.add_marker(pytest.mark.slow)
