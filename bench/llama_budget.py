@@ -40,9 +40,7 @@ def run(budget: str, steps: int, time_limit: float) -> dict:
     reset_peak_rss()
     start = time.perf_counter()
     try:
-        step = memplan.compile_step(
-            model, opt, w.loss_fn, batch, memory_budget=budget, time_limit_seconds=time_limit
-        )
+        step = memplan.compile_step(model, opt, w.loss_fn, batch, memory_budget=budget, time_limit_seconds=time_limit)
         losses = [step(batch) for _ in range(steps)]
     except MemplanError as err:
         row.update(outcome="refused", message=str(err), seconds=round(time.perf_counter() - start, 1))
@@ -73,7 +71,8 @@ def run(budget: str, steps: int, time_limit: float) -> dict:
         eager_losses.append(loss.detach())
     row["max_abs_diff_loss"] = max(float((a - b).abs().max()) for a, b in zip(losses, eager_losses, strict=True))
     row["max_abs_diff_params"] = max(
-        float((p - q).abs().max()) for p, q in zip(model.parameters(), eager_model.parameters(), strict=True)
+        float((p.detach() - q.detach()).abs().max())
+        for p, q in zip(model.parameters(), eager_model.parameters(), strict=True)
     )
     return row
 

@@ -348,10 +348,12 @@ def _solve_within(
     solve_bytes: int,
     plain_peak: int | None,
     schedule: Any = None,
+    runnable_bytes: int | None = None,
 ) -> BudgetPlan:
     """The portfolio's cheapest plan within ``solve_bytes``; ``plain_peak``: the reordered
     plan's peak, run instead when the plan recomputes nothing and it fits (``None``: never).
-    ``schedule``: a plan already solved for this budget (then no solve)."""
+    ``schedule``: a plan already solved for this budget (then no solve). ``runnable_bytes``: a
+    placed peak known to run, for a refusal's advice."""
     from memplan.remat import solve_remat
 
     graph, budget_bytes = context.graph, report["budget_bytes"]
@@ -374,6 +376,7 @@ def _solve_within(
                 context.workspace,
                 budget_bytes,
                 reordered_bytes=plain_peak,
+                runnable_bytes=runnable_bytes,
                 time_limit_seconds=context.time_limit_seconds,
             )
         )
@@ -413,16 +416,17 @@ def _decided(
     )
 
 
-def tighten_budget(decided: BudgetPlan, excess_bytes: int) -> BudgetPlan:
+def tighten_budget(decided: BudgetPlan, excess_bytes: int, placed_bytes: int | None = None) -> BudgetPlan:
     """Re-plan with the solver's budget lowered by ``excess_bytes``: what the placed arena of
     ``decided``'s step needed beyond the budget (the arena's fragmentation above the live-bytes
     peak the solver counts, OLLA eq. 6 vs eq. 1). Raises :class:`InfeasibleBudget` in one line
-    when no plan is found within the tighter budget."""
+    when no plan is found within the tighter budget; ``placed_bytes``, the placed step's peak
+    (it ran, so it is a peak memplan can run), is the least its advice names."""
     if decided.context is None or decided.report.get("budget_bytes") is None:
         raise MemplanError("only a plan made for a memory_budget can be tightened")
     base = decided.solve_bytes if decided.solve_bytes is not None else decided.report["budget_bytes"]
     report = {k: v for k, v in decided.report.items() if k in _INPUT_KEYS}
-    return _solve_within(decided.context, report, base - max(1, excess_bytes), None)
+    return _solve_within(decided.context, report, base - max(1, excess_bytes), None, runnable_bytes=placed_bytes)
 
 
 _INPUT_KEYS = (
@@ -516,7 +520,7 @@ class BudgetedReplay(ReplayedStep):
                 f"re-plans with the budget lowered by the placement's excess: raise memory_budget to at least "
                 f"{format_bytes(placed)} or give more time_limit_seconds"
             )
-        self.decided = tighten_budget(self.decided, placed - budget)
+        self.decided = tighten_budget(self.decided, placed - budget, placed)
         self.report.update(self.decided.report)
         self.run = self.make_runner(self.decided.schedule)
         self.recordings = 0
@@ -531,12 +535,14 @@ def _infeasible_message(
     user_bytes: int | None = None,
     *,
     reordered_bytes: int | None = None,
+    runnable_bytes: int | None = None,
     time_limit_seconds: float = 10.0,
 ) -> str:
     """One line: the budget, the smallest peak known to be reachable, and what to do.
     ``user_bytes``: the user's budget when ``budget_bytes`` is one tightened for placement;
     ``reordered_bytes``: the reordered plan's peak (it runs with no recomputation), a peak memplan
-    can run even where every remat plan found was larger. The baselines that name the smallest
+    can run even where every remat plan found was larger (before placement); ``runnable_bytes``:
+    a placed peak that ran (the advice never names more). The baselines that name the smallest
     peak run within a tenth of the time limit (at most 10 s): a refusal must not outlast the solve."""
     from memplan.remat.baselines import BASELINES, run_baselines
     from memplan.remat.problem import RematProblem
@@ -551,6 +557,7 @@ def _infeasible_message(
     if schedule.status != "infeasible" and runs:
         proof += f" (none that runs each op at most {runs} times, proven)"
     placing = 0 if user_bytes is None else max(0, user_bytes - budget_bytes)
+    advice = lowest + placing if runnable_bytes is None else min(lowest + placing, runnable_bytes)
     head = f"memory_budget {format_bytes(budget_bytes)} is below what this step can reach: {proof}"
     if placing:
         head = (
@@ -561,7 +568,7 @@ def _infeasible_message(
     return (
         f"{head}; the smallest peak found is {format_bytes(lowest)} (no plan goes below {format_bytes(floor)}, "
         f"checkpoint-all needs {format_bytes(reference)}): raise memory_budget to at least "
-        f"{format_bytes(lowest + placing)}, lower the batch size, or give more time_limit_seconds"
+        f"{format_bytes(advice)}, lower the batch size, or give more time_limit_seconds"
     )
 
 
