@@ -123,7 +123,6 @@ def test_trainer_matches_trainer_bit_for_bit_with_accumulation_clipping_and_sche
     assert trainer.memplan_step.report["planned_peak_bytes"] > 0
 
 
-@pytest.mark.slow
 def test_trainer_example_matches_trainer_bit_for_bit_with_accumulation_and_clipping() -> None:
     result = example("hf_trainer").main([*TINY, "--accumulation", "2", "--max-grad-norm", "0.5"])
     assert_bit_identical(result)
@@ -284,7 +283,6 @@ def test_trainer_bf16_matches_trainer_bit_for_bit() -> None:
     assert_bit_identical(example("hf_trainer").main([*TINY, "--bf16"]))
 
 
-@pytest.mark.slow
 def test_accelerate_example_matches_accelerate_bit_for_bit_with_accumulation_and_clipping() -> None:
     result = example("accelerate_loop").main([*TINY, "--accumulation", "2", "--max-grad-norm", "0.5"])
     assert_bit_identical(result)

@@ -250,3 +250,21 @@ def test_example_runs_compares_and_writes_only_to_a_temporary_folder(tmp_path: P
     assert list(cwd.iterdir()) == []  # nothing written where the user ran it
     assert "Lightning writes its logs and checkpoints to " + str(tmp / "memplan-lightning-") in done.stdout
     assert not list(tmp.glob("memplan-lightning-*"))  # and the temporary folder is gone
+
+
+def test_the_example_runs_as_the_docs_show_on_a_tiny_mlp(tmp_path: Path) -> None:
+    """`examples/lightning_train.py` (the default run's form of the slow test above): plain
+    Lightning and the callback, each in its own process, with accumulation and clipping."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "TMPDIR": str(tmp_path)}
+    args = ["--model", "mlp", "--width", "64", "--steps", "3", "--accumulate", "2", "--clip", "1.0"]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "lightning_train.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "max abs diff: loss 0.0, parameters 0.0" in done.stdout
+    assert "bit-identical: True; global_step 3 / 3" in done.stdout
