@@ -85,10 +85,14 @@ class _Hierarchy:
     base: Path  # this process's own memory cgroup directory
 
 
-def _mounts() -> list[tuple[str, str, str, str]]:
+PROC_CGROUP = Path("/proc/self/cgroup")
+MOUNTINFO = Path("/proc/self/mountinfo")
+
+
+def mounts(mountinfo: Path = MOUNTINFO) -> list[tuple[str, str, str, str]]:
     """(root, mount point, fstype, super options) of each mount (``/proc/self/mountinfo``)."""
     rows = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+    for line in mountinfo.read_text().splitlines():
         left, _, right = line.partition(" - ")
         fields, tail = left.split(), right.split()
         if len(fields) >= 5 and len(tail) >= 3:
@@ -96,17 +100,28 @@ def _mounts() -> list[tuple[str, str, str, str]]:
     return rows
 
 
-def _own_groups() -> dict[str, str]:
+def own_groups(proc_cgroup: Path = PROC_CGROUP) -> dict[str, str]:
     """Controller (``""`` for the v2 hierarchy) -> this process's cgroup path (``/proc/self/cgroup``)."""
     groups = {}
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
+    for line in proc_cgroup.read_text().splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
         for name in controllers.split(",") if controllers else [""]:
             groups[name] = path
     return groups
 
 
-def _inside(mount_root: str, path: str) -> str | None:
+def memory_controller(fstype: str, options: str) -> str | None:
+    """The key of :func:`own_groups` a memory-cgroup mount answers to (``"memory"`` for v1,
+    ``""`` for v2), or None for any other mount."""
+    if fstype == "cgroup" and "memory" in options.split(","):
+        return "memory"
+    return "" if fstype == "cgroup2" else None
+
+
+def inside(mount_root: str, path: str) -> str | None:
     """``path`` relative to a mount whose root is ``mount_root``, or None when outside it."""
     if mount_root == "/":
         return path.lstrip("/")
@@ -117,20 +132,20 @@ def _inside(mount_root: str, path: str) -> str | None:
 
 def _find_hierarchy() -> _Hierarchy:
     """The memory cgroup this process may make children in, or :class:`LimitUnavailable`."""
-    if not Path("/proc/self/cgroup").exists():
+    if not PROC_CGROUP.exists():
         raise LimitUnavailable("no /proc/self/cgroup: memory cgroups are Linux-only")
     if os.geteuid() != 0:
         raise LimitUnavailable("not root: a memory cgroup cannot be made")
-    groups = _own_groups()
+    groups = own_groups()
     reasons = []
-    for root, point, fstype, options in _mounts():
+    for root, point, fstype, options in mounts():
         if fstype == "cgroup" and "memory" in options.split(",") and "memory" in groups:
-            rel = _inside(root, groups["memory"])
+            rel = inside(root, groups["memory"])
             if rel is not None and Path(point, rel).is_dir():
                 return _Hierarchy(1, Path(point, rel))
             reasons.append(f"v1 memory group {groups['memory']} not under {point}")
         if fstype == "cgroup2" and "" in groups:
-            rel = _inside(root, groups[""])
+            rel = inside(root, groups[""])
             base = Path(point, rel or "")
             controllers = base / "cgroup.controllers"
             if rel is not None and controllers.exists() and "memory" in controllers.read_text().split():

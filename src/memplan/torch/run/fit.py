@@ -26,14 +26,13 @@ from torch.utils import _pytree as pytree
 import torch
 from memplan.errors import InfeasibleBudget
 from memplan.report.format import format_bytes
+from memplan.torch.memlimit import MOUNTINFO, PROC_CGROUP, inside, memory_controller, mounts, own_groups
 
 FIT_WORDS = ("fit", "device")
 MIB = 2**20
 MARGIN_FRACTION = 0.05  # of the limit
 MIN_MARGIN_BYTES = {"cpu": 128 * MIB, "cuda": 256 * MIB}
 UNLIMITED_BYTES = 2**60  # a cgroup "limit" at or above this is none (v1 writes 2^63 rounded to a page)
-PROC_CGROUP = Path("/proc/self/cgroup")
-MOUNTINFO = Path("/proc/self/mountinfo")
 MEMINFO = Path("/proc/meminfo")
 
 
@@ -93,23 +92,16 @@ def own_group_dirs(proc_cgroup: Path = PROC_CGROUP, mountinfo: Path = MOUNTINFO)
     """This process's memory cgroup directories, its own first, then each parent up to the
     mount's root (v2's unified group and v1's memory group, where mounted)."""
     try:
-        groups = [line.split(":", 2) for line in proc_cgroup.read_text().splitlines()]
-        mounts = [line.split(" - ") for line in mountinfo.read_text().splitlines()]
+        groups, mounted = own_groups(proc_cgroup), mounts(mountinfo)
     except OSError:
         return []
     found: list[Path] = []
-    for left, right in (m for m in mounts if len(m) == 2):
-        fields, tail = left.split(), right.split()
-        if len(fields) < 5 or len(tail) < 3:
-            continue
-        root, point, fstype, options = fields[3], fields[4], tail[0], tail[2].split(",")
-        for _, controllers, path in (g for g in groups if len(g) == 3):
-            v2 = fstype == "cgroup2" and controllers == ""
-            v1 = fstype == "cgroup" and "memory" in controllers.split(",") and "memory" in options
-            if (v2 or v1) and (path == root or path.startswith(root.rstrip("/") + "/") or root == "/"):
-                relative = path[len(root) :].strip("/") if root != "/" else path.strip("/")
-                parts = relative.split("/") if relative else []
-                found += [Path(point, *parts[:k]) for k in range(len(parts), -1, -1)]
+    for root, point, fstype, options in mounted:
+        key = memory_controller(fstype, options)
+        relative = None if key is None or key not in groups else inside(root, groups[key])
+        if relative is not None:
+            parts = relative.split("/") if relative else []
+            found += [Path(point, *parts[:k]) for k in range(len(parts), -1, -1)]
     return found
 
 
