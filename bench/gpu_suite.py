@@ -42,12 +42,18 @@ a) crash check: ``compile_step`` with ``memory_budget="70%"`` on a conv/BN model
    forward and three steps of each in the same process (an H100 once died there); exit status,
    the stage it reached and its stderr tail (faulthandler's Python stack for a fatal error); if
    it dies, again with ``CUDA_LAUNCH_BLOCKING=1``. A refused budget is recorded, not a crash.
+   Then the same with the planned CUDA allocator installed (``allocator="replay"``: six steps,
+   recorded, verified and replayed, an eager forward after them) and its counters (a pointer
+   freed twice: ``unknown_frees``).
 b) the zoo at batch 1 and 32: eager (PyTorch's caching allocator: ``max_memory_reserved``,
    ``max_memory_allocated``) against memplan with the planned CUDA allocator installed (its own
    counters: bytes taken from cudaMalloc, bytes handed out), device memory used (``mem_get_info``:
    total less free, the job's CUDA context included), the median of ``--steps`` (10) timed steps
    after 6 warm-up steps (the recordings, placement and the verified first replay), and the max
-   abs difference of every parameter and buffer after the last step.
+   abs difference of every parameter and buffer after the last step. Where a time ratio goes:
+   the host time (until the call returns, before synchronising; near the step time = bound by
+   Python's per-op dispatch), device calls per timed step (cudaMalloc/cudaFree synchronise), the
+   last replayed step's served/fallback/blocked allocations.
 c) ``memory_budget=0.5`` (of the checkpoint-all peak) on four models at batch 32: held when
    memplan's reserved peak is within the budget; a refusal is listed with its one line.
 d) fit: a model (GPT-2, 12 layers) and batch eager cannot fit on the card. The batch is sized
@@ -149,7 +155,7 @@ PARTS = ("crash", "zoo", "budget", "fit", "compile")
 # each part ends by this fraction of the time after setup (what one leaves goes to the next);
 # the crash check runs whatever is left
 SHARE_END = {"crash": 1.0, "zoo": 0.42, "budget": 0.64, "fit": 0.90, "compile": 1.0, "zoo-rest": 1.0}
-ESTIMATE_S = {"crash": 15.0, "budget": 25.0, "fit": 75.0, "compile": 60.0, "tiny": 3.0}
+ESTIMATE_S = {"crash": 30.0, "budget": 25.0, "fit": 75.0, "compile": 60.0, "tiny": 3.0}
 WARMUP_STEPS = 6  # memplan: two recordings, placement, the verified first replay, then replays
 BUDGET_BATCH = 32
 DETERMINISM_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONFAULTHANDLER": "1"}
@@ -405,21 +411,49 @@ def _make_step(spec: dict[str, Any], w: Any, optimizer: Any) -> tuple[Callable[[
             "planning_s": round(compiled.planning_seconds, 2),
             "replayed_steps": getattr(runner, "replays", None),
             "diverged": None if stats is None else stats.diverged_at is not None,
+            "last_step": None
+            if stats is None
+            else {k: getattr(stats, k) for k in ("served", "fallback", "fallback_bytes", "blocked")},
             "budget": {k: budget.get(k) for k in (*keep, "placed_peak_bytes")} if budget else None,
         }
 
     return (lambda: compiled(batch)), report
 
 
-def _timed(step: Callable[[], Any], device: str, steps: int) -> list[float]:
-    times = []
+def _timed(step: Callable[[], Any], device: str, steps: int) -> tuple[list[float], list[float]]:
+    """Each step's wall time (synchronised) and its host time (until the call returns, before the
+    synchronisation): a host time close to the wall time means the step waits on Python, not on
+    the device (CUDA's launches no longer hide the per-op overhead)."""
+    times, host = [], []
     for k in range(steps):
         _seed(100 + k)
         start = time.perf_counter()
         step()
+        host.append(time.perf_counter() - start)
         _sync(device)
         times.append(time.perf_counter() - start)
-    return times
+    return times, host
+
+
+def _device_calls(device: str, native: Any) -> dict[str, Any] | None:
+    """What the allocator asked the device for so far (cudaMalloc and cudaFree synchronise: a
+    steady step should make none): the planned CUDA allocator's counters, else PyTorch's."""
+    import torch
+
+    if device != "cuda":
+        return None
+    if native is not None:
+        s = native.memory_stats()
+        counts = {"mallocs": s.raw_allocations, "frees": s.raw_frees, "near_hits": s.near_hits}
+        return counts | {"evicted": s.evicted, "unknown_frees": s.unknown_frees}
+    stats = torch.cuda.memory_stats()
+    return {"mallocs": stats.get("num_device_alloc"), "frees": stats.get("num_device_free")}
+
+
+def _per_step(before: dict[str, Any] | None, after: dict[str, Any] | None, steps: int) -> dict[str, Any] | None:
+    if before is None or after is None:
+        return None
+    return {k: None if v is None or before.get(k) is None else (v - before[k]) / steps for k, v in after.items()}
 
 
 def _seed(k: int) -> None:
@@ -449,10 +483,13 @@ def _side_batch(spec: dict[str, Any], batch: int, native: Any) -> dict[str, Any]
         warm = _peaks(device, native)
         used_before = _device_used(device)
         _reset_peaks(device, native)
-        times = _timed(step, device, spec["steps"])
+        calls_before = _device_calls(device, native)
+        times, host = _timed(step, device, spec["steps"])
         peaks = _peaks(device, native)
+        calls = _per_step(calls_before, _device_calls(device, native), spec["steps"])
     used = [u for u in (used_before, _device_used(device)) if u is not None]
     result = {"batch": batch, "side": spec["side"], "step_s": statistics.median(times), "steps": len(times)}
+    result |= {"host_s": statistics.median(host), "device_calls_per_step": calls}
     result |= {
         "first_step_s": None if first is None else round(first, 3),
         "warmup_reserved_bytes": warm["reserved_bytes"],
@@ -555,13 +592,21 @@ def job_probe(spec: dict[str, Any], emit: Callable[[dict], None]) -> None:
 
 def job_crash(spec: dict[str, Any], emit: Callable[[dict], None]) -> None:
     """A budgeted ``compile_step`` on a conv/BN model, then eager in the same process (stages
-    emitted as they start: a job that dies says where)."""
+    emitted as they start: a job that dies says where). ``spec["allocator"]``: ``"views"`` (arena
+    views on PyTorch's allocator, where an H100 died) or ``"replay"`` (the planned CUDA allocator
+    installed first: recorded, verified and replayed steps, then its counters, a pointer freed
+    twice among them; on the CPU the planned CPU allocator)."""
     torch = _torch_for(spec)
     import memplan
     from memplan.errors import MemplanError
     from memplan.torch.capture import call_model
+    from memplan.torch.run.replay import ReplayedStep
 
-    device = spec["device"]
+    device, allocator = spec["device"], spec.get("allocator", "views")
+    native, not_installed = _install_planned({"side": "memplan", "device": device, "allocator": allocator})
+    if not_installed:
+        emit({"stage": "the planned CUDA allocator was not installed", "refused": not_installed})
+        return
     emit({"stage": "build"})
     w = _workload("tiny-cnn", 8, device)
     eager = copy.deepcopy(w.model)
@@ -573,20 +618,20 @@ def job_crash(spec: dict[str, Any], emit: Callable[[dict], None]) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             step = memplan.compile_step(
-                w.model, opt, w.loss_fn, batch, memory_budget="70%", allocator="views", time_limit_seconds=5
+                w.model, opt, w.loss_fn, batch, memory_budget="70%", allocator=allocator, time_limit_seconds=5
             )
     except MemplanError as error:
         emit({"stage": "compile_step refused", **_failure(error)})
         return
     runner = step.runners[next(iter(step.runners))]
-    reruns = _recomputed_kinds(runner)
+    reruns = _recomputed_kinds(runner.run if isinstance(runner, ReplayedStep) else runner)
     emit({"stage": "eager forward after compile_step"})
     bystander = copy.deepcopy(eager)  # a forward in train mode moves batch norm's statistics
     with torch.no_grad():
         call_model(bystander, w.inputs)
     _sync(device)
     same = True
-    for k in range(3):
+    for k in range(3 if allocator == "views" else 6):  # replay: two recordings, the verified replay, three more
         emit({"stage": f"step {k}: eager, then memplan"})
         _seed(100 + k)
         loss = w.loss_fn(call_model(eager, w.inputs), w.target)
@@ -600,7 +645,13 @@ def job_crash(spec: dict[str, Any], emit: Callable[[dict], None]) -> None:
         same = same and all(
             torch.equal(a, b) for a, b in zip(eager.state_dict().values(), w.model.state_dict().values(), strict=True)
         )
-    emit({"stage": "done", "ok": True, "bit_identical": same, "recomputed_kinds": reruns})
+    emit({"stage": "eager forward after the planned steps"})
+    with torch.no_grad():
+        call_model(bystander, w.inputs)
+    _sync(device)
+    replays = getattr(runner, "replays", None)
+    done = {"stage": "done", "ok": True, "bit_identical": same, "recomputed_kinds": reruns, "replayed_steps": replays}
+    emit(done | {"allocator": step.allocator, "device_calls": _device_calls(device, native)})
 
 
 def _recomputed_kinds(runner: Any) -> list[str]:
@@ -853,6 +904,9 @@ class Suite:
             again = self.run_job({"kind": "crash", "env": {"CUDA_LAUNCH_BLOCKING": "1"}}, 180, "crash check, blocking")
             record["with_cuda_launch_blocking"] = _crash_record(again)
         self.write()
+        planned = self.run_job({"kind": "crash", "allocator": "replay"}, 180, "crash check, planned allocator")
+        record["planned_allocator"] = _crash_record(planned)
+        self.write()
 
     def part_zoo(self, models: list[str], part: str) -> None:
         for model, default in models:
@@ -1087,6 +1141,7 @@ def _crash_record(outcome: Outcome) -> dict[str, Any]:
     record |= {"ok": bool(final.get("ok")) and outcome.rc == 0, "last_stage": stages[-1] if stages else None}
     record |= {"bit_identical": final.get("bit_identical"), "recomputed_kinds": final.get("recomputed_kinds")}
     record["refused"] = final.get("refused")
+    record |= {k: final.get(k) for k in ("allocator", "replayed_steps", "device_calls")}
     record["stderr_tail"] = "" if record["ok"] else outcome.tail
     return record
 
@@ -1110,6 +1165,11 @@ def make_row(part: str, model: str, batch: int, eager: dict | None, ours: dict |
     }
     row |= {k: m.get(k) for k in ("allocator", "allocator_reason", "planning_s", "replayed_steps", "diverged")}
     row |= {"memplan_warmup_reserved_bytes": m.get("warmup_reserved_bytes"), "counters": m.get("counters")}
+    # where a time ratio above 1 goes: host time near the step time = Python-bound; device calls
+    # per steady step (each synchronises); the replayed step's fallbacks to the cache
+    row |= {"eager_host_s": e.get("host_s"), "memplan_host_s": m.get("host_s")}
+    row |= {"eager_device_calls_per_step": e.get("device_calls_per_step")}
+    row |= {"memplan_device_calls_per_step": m.get("device_calls_per_step"), "memplan_last_step": m.get("last_step")}
     if budget:
         row["budget"] = budget
     reserved, allocated = row["memplan_reserved_bytes"], row["eager_allocated_bytes"]
@@ -1208,6 +1268,13 @@ def _crash_lines(record: dict[str, Any] | None) -> list[str]:
     if blocking:
         lines += ["", f"Again with CUDA_LAUNCH_BLOCKING=1: rc {blocking['rc']}, at: {blocking['last_stage']}"]
         lines += ["", "```", blocking["stderr_tail"][-1500:], "```"] if blocking["stderr_tail"] else []
+    planned = record.get("planned_allocator")
+    if planned:
+        state = "passed" if planned["ok"] else f"FAILED (exit status {planned['rc']}, at: {planned['last_stage']})"
+        lines += ["", f"The same with the planned allocator (allocator='replay'): {state}; "]
+        lines[-1] += f"replayed steps: {planned['replayed_steps']}; bit-identical: {planned['bit_identical']}; "
+        lines[-1] += f"device calls (a pointer freed twice: unknown_frees): {planned['device_calls']}."
+        lines += ["", "```", planned["stderr_tail"][-1500:], "```"] if planned["stderr_tail"] else []
     return [*lines, ""]
 
 

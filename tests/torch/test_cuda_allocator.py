@@ -9,6 +9,7 @@ is absent. With a GPU (``-m gpu``): bit for bit against eager, and memory below 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import json
@@ -44,37 +45,50 @@ _RAW_FREE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 
 class HostDevice:
     """Host memory in place of cudaMalloc/cudaFree, with a capacity (a failed malloc returns 2,
-    cudaErrorMemoryAllocation) and a count of calls."""
+    cudaErrorMemoryAllocation), a count of calls, the most bytes it ever held, and every free of a
+    pointer it does not hold (a second free; cudaFree would fail or corrupt the device heap).
+    Blocks are 512-byte aligned, as cudaMalloc's are (it gives 256 at least)."""
 
     def __init__(self, capacity: int = 1 << 30) -> None:
         self.capacity = capacity
         self.blocks: dict[int, ctypes.Array] = {}
+        self.sizes: dict[int, int] = {}
         self.mallocs = 0
         self.frees = 0
+        self.peak = 0
+        self.bad_frees: list[int] = []
+        self.expected_unknown_frees = 0  # second frees a test makes on purpose
         self.malloc_fn = _RAW_MALLOC(self._malloc)  # kept alive with the object
         self.free_fn = _RAW_FREE(self._free)
 
     def held(self) -> int:
-        return sum(len(b) for b in self.blocks.values())
+        return sum(self.sizes.values())
 
     def _malloc(self, out, size: int) -> int:
         self.mallocs += 1
         if self.held() + size > self.capacity:
             return 2
-        block = ctypes.create_string_buffer(size)
-        address = ctypes.addressof(block)
+        block = ctypes.create_string_buffer(size + CUDA_ALIGNMENT_BYTES)
+        base = ctypes.addressof(block)
+        address = base + (-base % CUDA_ALIGNMENT_BYTES)
         self.blocks[address] = block
+        self.sizes[address] = size
+        self.peak = max(self.peak, self.held())
         out[0] = address
         return 0
 
     def _free(self, address: int) -> int:
         self.frees += 1
+        if address not in self.blocks:
+            self.bad_frees.append(address)
+            return 1  # cudaErrorInvalidValue
         del self.blocks[address]
+        del self.sizes[address]
         return 0
 
 
-@pytest.fixture(scope="module")
-def lib() -> ctypes.CDLL:
+def load_library() -> ctypes.CDLL:
+    """The CUDA allocator's library, built here (no CUDA needed) and loaded for ctypes."""
     try:
         path = cuda_allocator.build()
     except AllocatorUnavailable as error:
@@ -84,16 +98,34 @@ def lib() -> ctypes.CDLL:
     return library
 
 
-@pytest.fixture
-def host(lib: ctypes.CDLL) -> Iterator[HostDevice]:
-    """A fresh host device per test; afterwards every block was freed and goes back to it."""
+@contextlib.contextmanager
+def host_device(library: ctypes.CDLL) -> Iterator[HostDevice]:
+    """A fresh host device as the library's device; afterwards every block was freed, goes back
+    to it, and none was given back twice."""
     device = HostDevice()
-    lib.mp_cuda_set_raw(_address(device.malloc_fn), _address(device.free_fn), DEVICE)
+    library.mp_cuda_set_raw(_address(device.malloc_fn), _address(device.free_fn), DEVICE)
+    native = cuda_allocator.CudaReplay(library)  # the default cache policies
+    unknown_before = native.memory_stats().unknown_frees
     yield device
-    native = cuda_allocator.CudaReplay(lib)
+    native = cuda_allocator.CudaReplay(library)
     assert native.memory_stats().in_use == 0, "a test leaked a block"
     native.release_free_memory()
     assert device.blocks == {}
+    assert device.bad_frees == [], "a block was given back to the device twice"
+    unknown = native.memory_stats().unknown_frees - unknown_before
+    assert unknown == device.expected_unknown_frees, "a pointer was freed twice"
+
+
+@pytest.fixture(scope="module")
+def lib() -> ctypes.CDLL:
+    return load_library()
+
+
+@pytest.fixture
+def host(lib: ctypes.CDLL) -> Iterator[HostDevice]:
+    """A fresh host device per test (:func:`host_device`)."""
+    with host_device(lib) as device:
+        yield device
 
 
 def _address(function) -> int:

@@ -76,6 +76,8 @@ def test_gpu_suite_dry_run(tmp_path: Path) -> None:
     (fit,) = [r for r in doc["rows"] if r["part"] == "fit"]
     assert fit["eager_fits"] is False and fit["held"] is True and fit["memplan_reserved_bytes"] > 0, fit
     assert doc["crash_check"]["ok"] and doc["crash_check"]["bit_identical"] is True, doc["crash_check"]
+    planned = doc["crash_check"]["planned_allocator"]  # the same with the planned allocator
+    assert planned["ok"] and planned["bit_identical"] is True and planned["allocator"] == "replay", planned
     (compiled,) = doc["torch_compile"]
     assert compiled["step_s"] > 0 and compiled["error"] is None and compiled["max_abs_diff"] is not None
     text = (out / "gpu_suite.md").read_text()

@@ -349,6 +349,12 @@ class NativeReplay:
             branch,
         )
 
+    def hold_cache_within(self, budget_bytes: int, placed_bytes: int) -> int:
+        """Bound what the allocator keeps cached beyond the placed step (``placed_bytes``) so that
+        both stay within ``budget_bytes``; returns the bound. The CPU allocator caches nothing of
+        its own (the C heap's free pages are given back by :meth:`release_free_memory`): 0."""
+        return 0
+
     def release_free_memory(self) -> None:
         """Give freed memory back (the C heap's free pages on the CPU)."""
         from memplan.torch.rss import release_free_memory

@@ -8,7 +8,13 @@ as the CPU one (``csrc/replay_core.h``) behind the two entry points of
 compiler, with no nvcc and no CUDA or torch headers (a stream is an opaque pointer, the arena is a
 block PyTorch allocates, offsets are pointer arithmetic). Requests outside a planned step go to a
 small cache of 512-byte blocks over ``cudaMalloc``/``cudaFree``, taken from the CUDA runtime
-PyTorch loaded.
+PyTorch loaded. Its policies (the library's header states them; ``tests/torch/test_cuda_policies.py``
+tests each against a host stand-in for the device): a free block serves a request on the same
+device and stream when it is at most :data:`NEAR_SIZE_SLACK` larger; before a block is taken from
+the device, cached blocks are given back, the largest first, so that what the allocator holds
+never exceeds the most it handed out plus :data:`CACHE_BOUND_BYTES` (``max_memory_reserved <=
+max_memory_allocated + bound``); under a ``memory_budget`` the bound shrinks to the budget's
+headroom over the placed step (:meth:`CudaReplay.hold_cache_within`).
 
 Why not ``torch.cuda.MemPool(allocator=...)`` scoped to the step: a pool's allocator is asked
 for *segments* (``allocPrimitive`` in ``c10/cuda/CUDACachingAllocator.cpp`` calls its
@@ -48,7 +54,14 @@ SOURCE = CSRC / "cuda_planned_allocator.cpp"
 LIBRARY_NAME = "cuda_planned_allocator"
 MALLOC_SYMBOL = "mp_cuda_malloc"
 FREE_SYMBOL = "mp_cuda_free"
+_NUM_MEMORY_STATS = 11
 INSTALL_HINT = "call memplan.torch.run.cuda_allocator.install() before the first CUDA tensor"
+
+# the cache's policies (see the module docstring): the most free bytes it keeps beyond what is
+# handed out when it must ask the device for more, and how much larger than a request a reused
+# block may be (1/8: a 4096-byte request may take a block of up to 4608 bytes, never a larger one)
+CACHE_BOUND_BYTES = 32 * 2**20
+NEAR_SIZE_SLACK = (1, 8)
 
 _installed: CudaReplay | None = None
 
@@ -65,6 +78,12 @@ class CudaMemoryStats:
     in_use: int
     peak_in_use: int
     raw_allocations: int
+    cached: int = 0  # free blocks held (held - in_use)
+    raw_frees: int = 0  # blocks given back to the device
+    near_hits: int = 0  # requests served by a cached block larger than their rounded size
+    evicted: int = 0  # cached blocks given back by the cache bound
+    unknown_frees: int = 0  # frees of a pointer not live here (a second free): never passed to cudaFree
+    cache_bound: int = -1  # the bound in force (-1: none)
 
 
 def build() -> Path:
@@ -86,6 +105,8 @@ def declare_cuda_api(lib: ctypes.CDLL) -> None:
     lib.mp_cuda_empty_cache.restype = None
     lib.mp_cuda_memory_stats.argtypes = [ctypes.POINTER(ctypes.c_int64)]
     lib.mp_cuda_memory_stats.restype = None
+    lib.mp_cuda_set_cache_policy.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    lib.mp_cuda_set_cache_policy.restype = None
     lib.mp_cuda_reset_peaks.restype = None
 
 
@@ -100,15 +121,36 @@ class CudaReplay(NativeReplay):
     # So offset 0 starts one block into the arena.
     arena_lead_bytes = CUDA_ALIGNMENT_BYTES
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(
+        self, lib: ctypes.CDLL, cache_bound_bytes: int = CACHE_BOUND_BYTES, slack: tuple[int, int] = NEAR_SIZE_SLACK
+    ) -> None:
         super().__init__(lib, CUDA_ALIGNMENT_BYTES)
+        self.cache_bound_bytes = cache_bound_bytes
+        self.slack = slack
+        self.set_cache_policy(cache_bound_bytes, slack)
+
+    def set_cache_policy(self, cache_bound_bytes: int, slack: tuple[int, int] = NEAR_SIZE_SLACK) -> None:
+        """The cache bound in bytes (-1: none) and the near-size slack ``(num, den)``: a cached
+        block of ``s`` bytes serves a request rounded to ``r`` when ``r <= s <= r + r * num / den``
+        (``(0, 1)``: the same size only)."""
+        self.lib.mp_cuda_set_cache_policy(int(cache_bound_bytes), int(slack[0]), int(slack[1]))
+
+    def hold_cache_within(self, budget_bytes: int, placed_bytes: int) -> int:
+        """Under a budget: the cache bound lowered to what ``budget_bytes`` leaves above the placed
+        step (``placed_bytes``, or what is in use now if more: 512-byte rounding, tensors of the
+        caller), so that held <= placed step + bound <= budget; returns the bound."""
+        in_use = max(int(placed_bytes), self.memory_stats().in_use)
+        bound = max(0, min(self.cache_bound_bytes, int(budget_bytes) - in_use))
+        self.cache_bound_bytes = bound
+        self.set_cache_policy(bound, self.slack)
+        return bound
 
     def release_free_memory(self) -> None:
         """Give the cached (free) blocks back to the device."""
         self.lib.mp_cuda_empty_cache()
 
     def memory_stats(self) -> CudaMemoryStats:
-        values = (ctypes.c_int64 * 5)()
+        values = (ctypes.c_int64 * _NUM_MEMORY_STATS)()
         self.lib.mp_cuda_memory_stats(values)
         return CudaMemoryStats(*values)
 

@@ -9,11 +9,26 @@
 // Requests that are not replayed (outside a planned step, or beyond the plan) go to the base:
 // a small cache of 512-byte-rounded blocks over two raw device functions with the signatures
 // of cudaMalloc(void**, size_t) and cudaFree(void*), resolved by Python from the CUDA runtime
-// PyTorch already loaded and handed in as pointers (mp_cuda_set_raw). A freed block is reused
-// only for a request of the same size on the same stream and device, the rule PyTorch's caching
-// allocator follows without record_stream; on an out-of-memory the cache is emptied and the
-// request retried once. Counters of held and in-use bytes stand in for PyTorch's
-// max_memory_reserved / max_memory_allocated, which a pluggable allocator does not keep.
+// PyTorch already loaded and handed in as pointers (mp_cuda_set_raw). Its policies (issue 34),
+// each tested against a host stand-in for the device (tests/torch/test_cuda_policies.py):
+//
+// - Near size: a free block is reused only on the same device and stream (the rule PyTorch's
+//   caching allocator follows without record_stream), by a request of rounded size r when the
+//   block's size s is within r <= s <= r + r * slack_num / slack_den (1/8 by default): the
+//   smallest such block. A larger block is never handed to a small request (it would be
+//   wasted); the in-use counter counts the whole block.
+// - Cache bound: before a block is taken from the device, free cached blocks are given back,
+//   the largest first, until held <= in_use + cache_limit after the new block (cache_limit < 0:
+//   no bound). Held bytes only grow there, so at every moment
+//       held <= max(in_use so far) + cache_limit,
+//   i.e. max_memory_reserved <= max_memory_allocated + cache_limit; a steady step whose blocks
+//   fit the bound reuses them and never calls the device.
+// - Out of memory: the cache is emptied and the request retried once.
+// - Frees: a pointer this cache does not hold live (a second free, a foreign pointer) is never
+//   passed to cudaFree; it is counted (unknown_frees) so a test or the GPU suite can see it.
+//
+// Counters of held and in-use bytes stand in for PyTorch's max_memory_reserved /
+// max_memory_allocated, which a pluggable allocator does not keep.
 
 #include <algorithm>
 #include <atomic>
@@ -33,29 +48,44 @@ constexpr size_t kBlockAlign = 512;  // PyTorch's CUDA caching allocator rounds 
 using RawMalloc = int (*)(void** ptr, size_t n);  // cudaMalloc's signature (cudaError_t is an int enum)
 using RawFree = int (*)(void* ptr);               // cudaFree's
 
+constexpr int kNumMemoryStats = 11;
+
 struct BlockCache {
   RawMalloc raw_malloc = nullptr;
   RawFree raw_free = nullptr;
   std::mutex mu;
-  using Key = std::tuple<int, int64_t, size_t>;  // device, stream, rounded size
+  using Key = std::tuple<int, int64_t, size_t>;  // device, stream, block size
   std::multimap<Key, void*> cached;
   std::unordered_map<void*, Key> live;
   int64_t held = 0, peak_held = 0, in_use = 0, peak_in_use = 0, raw_calls = 0;
+  int64_t cached_bytes = 0, raw_frees = 0, near_hits = 0, evicted = 0, unknown_frees = 0;
+  int64_t cache_limit = -1;  // most bytes of free blocks held beyond in_use when a block is taken
+  int64_t slack_num = 1, slack_den = 8;  // near-size rule: s <= r + r * slack_num / slack_den
 
   static size_t rounded(size_t n) {
     return (n + kBlockAlign - 1) / kBlockAlign * kBlockAlign;
   }
 
+  // The largest block a request of rounded size r may take from the cache.
+  size_t largest_served(size_t r) const {
+    return r + r / static_cast<size_t>(slack_den) * static_cast<size_t>(slack_num);
+  }
+
   void* alloc(size_t n, int device, void* stream) {
     std::lock_guard<std::mutex> lock(mu);
-    Key key{device, reinterpret_cast<int64_t>(stream), rounded(n == 0 ? 1 : n)};
+    size_t r = rounded(n == 0 ? 1 : n);
+    Key key{device, reinterpret_cast<int64_t>(stream), r};
     void* p = nullptr;
-    auto hit = cached.find(key);
-    if (hit != cached.end()) {
+    auto hit = cached.lower_bound(key);  // the smallest block of at least r on this device and stream
+    if (hit != cached.end() && std::get<0>(hit->first) == device && std::get<1>(hit->first) == std::get<1>(key) &&
+        std::get<2>(hit->first) <= largest_served(r)) {
       p = hit->second;
+      key = hit->first;
+      near_hits += std::get<2>(key) != r;
+      cached_bytes -= static_cast<int64_t>(std::get<2>(key));
       cached.erase(hit);
     } else {
-      p = fresh(std::get<2>(key));
+      p = fresh(r);
       if (p == nullptr) {
         return nullptr;
       }
@@ -66,11 +96,15 @@ struct BlockCache {
     return p;
   }
 
+  // A new block from the device, after giving back what the cache bound asks for.
   void* fresh(size_t size) {
     void* p = nullptr;
     ++raw_calls;
     if (raw_malloc == nullptr) {
       return nullptr;
+    }
+    if (cache_limit >= 0) {  // after the new block: held + size <= in_use + size + cache_limit
+      evict_above(in_use + cache_limit);
     }
     if (raw_malloc(&p, size) != 0 || p == nullptr) {
       release_cached();  // out of memory: give the cached blocks back and try once more
@@ -84,21 +118,44 @@ struct BlockCache {
     return p;
   }
 
+  // Gives cached blocks back, the largest first, until held <= target.
+  void evict_above(int64_t target) {
+    while (held > target && !cached.empty()) {
+      auto largest = cached.begin();
+      for (auto it = cached.begin(); it != cached.end(); ++it) {
+        if (std::get<2>(it->first) > std::get<2>(largest->first)) {
+          largest = it;
+        }
+      }
+      give_back(largest->second, std::get<2>(largest->first));
+      ++evicted;
+      cached.erase(largest);
+    }
+  }
+
+  void give_back(void* p, size_t size) {
+    raw_free(p);
+    ++raw_frees;
+    held -= static_cast<int64_t>(size);
+    cached_bytes -= static_cast<int64_t>(size);
+  }
+
   void free(void* p) {
     std::lock_guard<std::mutex> lock(mu);
     auto it = live.find(p);
     if (it == live.end()) {
-      return;  // not ours (never happens through PyTorch); ignoring beats corrupting the cache
+      ++unknown_frees;  // a second free or a foreign pointer: never reaches cudaFree
+      return;
     }
     in_use -= static_cast<int64_t>(std::get<2>(it->second));
+    cached_bytes += static_cast<int64_t>(std::get<2>(it->second));
     cached.emplace(it->second, p);
     live.erase(it);
   }
 
   void release_cached() {
     for (auto& entry : cached) {
-      raw_free(entry.second);
-      held -= static_cast<int64_t>(std::get<2>(entry.first));
+      give_back(entry.second, std::get<2>(entry.first));
     }
     cached.clear();
   }
@@ -163,11 +220,25 @@ void mp_cuda_empty_cache() {
   g_cache.release_cached();
 }
 
-// stats: held bytes, peak held, in-use bytes, peak in use, raw device allocations so far.
+// stats: held bytes, peak held, in-use bytes, peak in use, raw device allocations so far, cached
+// (free) bytes, raw device frees, near-size hits, blocks evicted by the bound, unknown frees, the
+// cache bound (-1: none).
 void mp_cuda_memory_stats(int64_t* stats) {
   std::lock_guard<std::mutex> lock(g_cache.mu);
-  int64_t values[5] = {g_cache.held, g_cache.peak_held, g_cache.in_use, g_cache.peak_in_use, g_cache.raw_calls};
-  std::copy(values, values + 5, stats);
+  const BlockCache& c = g_cache;
+  int64_t values[kNumMemoryStats] = {c.held,     c.peak_held, c.in_use,        c.peak_in_use,
+                                     c.raw_calls, c.cached_bytes, c.raw_frees, c.near_hits,
+                                     c.evicted,  c.unknown_frees, c.cache_limit};
+  std::copy(values, values + kNumMemoryStats, stats);
+}
+
+// The cache bound in bytes (-1: none) and the near-size slack (a block of s bytes serves a
+// request of r when r <= s <= r + r * slack_num / slack_den; slack_num 0: the same size only).
+void mp_cuda_set_cache_policy(int64_t cache_limit, int64_t slack_num, int64_t slack_den) {
+  std::lock_guard<std::mutex> lock(g_cache.mu);
+  g_cache.cache_limit = cache_limit;
+  g_cache.slack_num = slack_num < 0 ? 0 : slack_num;
+  g_cache.slack_den = slack_den < 1 ? 1 : slack_den;
 }
 
 void mp_cuda_reset_peaks() {
