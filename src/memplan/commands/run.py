@@ -177,7 +177,35 @@ def print_data_parallel(reports: list[dict[str, Any]], console: Console) -> None
     console.print(f"loss and parameters on every rank, after every step, vs DistributedDataParallel: {verdict}")
 
 
-VARIANT_TITLES = {"memplan": "memplan", "ddp": "DDP", "ddp-view": "DDP (grad. as bucket view)"}
+VARIANT_TITLES = {"memplan": "memplan", "ddp": "DDP", "ddp-view": "DDP (grad. as bucket view)", "fsdp2": "FSDP2"}
+
+
+def print_fsdp(reports: list[dict[str, Any]], console: Console) -> None:
+    """The table of ``memplan run --nproc N --fsdp``: per rank, memplan vs eager FSDP2."""
+    first = reports[0]
+    table = Table(
+        title=f"{first['model']}  batch {first['batch_size']} per rank  {first['world_size']} ranks (gloo, FSDP2)  "
+        f"{first['steps']} steps"
+    )
+    table.add_column("rank")
+    table.add_column("")
+    for name in first["variants"]:
+        table.add_column(VARIANT_TITLES.get(name, name), justify="right")
+    for r in reports:
+        v = r["variants"]
+        table.add_row(str(r["rank"]), "measured peak", *(format_bytes(x["peak_bytes"]) for x in v.values()))
+        table.add_row("", "step seconds (median)", *(f"{x['step_seconds']:.3f}" for x in v.values()))
+        table.add_row(
+            "", "max abs diff to memplan", *("" if n == "memplan" else str(x["max_abs_diff"]) for n, x in v.items())
+        )
+    console.print(table)
+    worst = max(r["variants"]["fsdp2"]["max_abs_diff"] for r in reports)
+    verdict = "identical" if worst == 0.0 else f"DIFFER by up to {worst:.3g}"
+    console.print(
+        f"plan: {first['collectives']} collectives (all-gathers, reduce-scatters), arena "
+        f"{format_bytes(first['arena_bytes'])}; loss, gathered parameters and optimizer state on every rank, "
+        f"after every step, vs eager FSDP2: {verdict}"
+    )
 
 
 def _data_parallel_diff(reports: list[dict[str, Any]]) -> float:
@@ -196,8 +224,10 @@ def run_data_parallel(
     time_limit: float,
     bucket_cap_mb: float | None,
     waits: str,
+    extra: list[str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Launch ``nproc`` ranks with torchrun (gloo, this machine) and return their reports."""
+    """Launch ``nproc`` ranks with torchrun (gloo, this machine) and return their reports
+    (``extra``: more arguments for the worker, ``--fsdp``)."""
     import json
     import subprocess
     import tempfile
@@ -209,7 +239,7 @@ def run_data_parallel(
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
         args = [model, "--batch", str(batch_size), "--steps", str(steps), "--optimizer", optimizer]
-        args += ["--time-limit", str(time_limit), "--waits", waits, "--out", str(out)]
+        args += ["--time-limit", str(time_limit), "--waits", waits, "--out", str(out), *(extra or [])]
         if bucket_cap_mb is not None:
             args += ["--bucket-cap-mb", str(bucket_cap_mb)]
         done = subprocess.run(launch_command(nproc, args), capture_output=True, text=True)
@@ -244,6 +274,14 @@ def run(
             "above 1, memplan is compared with DistributedDataParallel.",
         ),
     ] = 1,
+    fsdp: Annotated[
+        bool,
+        typer.Option(
+            "--fsdp",
+            help="With --nproc N: shard every block and the root with FSDP2's fully_shard (AdamW) and compare "
+            "memplan's planned step with eager FSDP2.",
+        ),
+    ] = False,
     bucket_cap_mb: Annotated[
         float | None, typer.Option("--bucket-cap-mb", help="DDP's bucket size (default: DDP's, 25 MiB).")
     ] = None,
@@ -297,6 +335,17 @@ def run(
             raise MemplanError(f"{path}: the file must end in {suffix}")
     if (budget is not None or max_overhead is not None) and (nproc > 1 or mode.value != "train"):
         raise MemplanError("--budget and --max-overhead plan a training step on one process: drop --nproc/--mode infer")
+    if fsdp and nproc < 2:
+        raise MemplanError("--fsdp shards the model over ranks: give --nproc 2 or more")
+    if fsdp:
+        if mode.value != "train":
+            raise MemplanError("--fsdp trains: it needs --mode train")
+        reports = run_data_parallel(model, batch_size, steps, nproc, "adamw", time_limit, None, waits, ["--fsdp"])
+        print_fsdp(reports, console())
+        write_json(json_path, {"ranks": reports})
+        if max(r["variants"]["fsdp2"]["max_abs_diff"] for r in reports) != 0.0:
+            raise typer.Exit(1)
+        return
     if nproc > 1:
         if mode.value != "train":
             raise MemplanError("--nproc trains data-parallel: it needs --mode train")

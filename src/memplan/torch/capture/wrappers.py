@@ -40,8 +40,9 @@ def _wrapper_reason(module: torch.nn.Module) -> str:
     fsdp = sys.modules.get("torch.distributed.fsdp")  # imported by whoever wrapped the model
     if fsdp is not None and isinstance(module, getattr(fsdp, "FSDPModule", ())):
         return (
-            "is sharded with FSDP2's fully_shard (its parameters are DTensors): memplan does not plan "
-            f"FSDP2-sharded models yet; plan the unsharded model, or {DATA_PARALLEL_HINT}"
+            "is sharded with FSDP2's fully_shard (its parameters are DTensors): pass it to "
+            "memplan.torch.distributed.compile_fsdp_step (on every rank), which plans FSDP2's collectives, "
+            "or plan the unsharded model"
         )
     if fsdp is not None and isinstance(module, getattr(fsdp, "FullyShardedDataParallel", ())):
         return (

@@ -5,9 +5,10 @@
 
 Each rank joins the gloo process group torchrun describes, trains with memplan and with
 ``DistributedDataParallel`` (:func:`memplan.torch.distributed.compare.compare_with_ddp`), and
-rank 0 writes every rank's report to ``--out``. With ``--rss VARIANT`` it runs that variant
-alone and measures this process's peak resident set during one steady-state step
-(:func:`memplan.torch.distributed.compare.measure_rss`).
+rank 0 writes every rank's report to ``--out``. With ``--fsdp`` the model is sharded with FSDP2
+and compared with eager FSDP2 instead (:func:`memplan.torch.distributed.fsdp_compare.zoo_report`).
+With ``--rss VARIANT`` it runs that variant alone and measures this process's peak resident set
+during one steady-state step (:func:`memplan.torch.distributed.compare.measure_rss`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--time-limit", type=float, default=10.0)
     parser.add_argument("--rss", default=None, help="measure the peak RSS of this variant alone")
     parser.add_argument("--trace", default=None, help="write one profiled step of each variant to this JSON")
+    parser.add_argument("--fsdp", action="store_true", help="shard with FSDP2 and compare with eager FSDP2")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
@@ -59,7 +61,9 @@ def main(argv: list[str] | None = None) -> None:
             "time_limit_seconds": args.time_limit,
             "optimizer_name": args.optimizer,
         }
-        if args.rss:
+        if args.fsdp:
+            reports = _fsdp_reports(args.model, args.batch, args.steps, args.time_limit)
+        elif args.rss:
             reports = compare.measure_rss(args.model, args.batch, args.rss, **common)
         else:
             reports = compare.compare_with_ddp(args.model, args.batch, args.steps, trace=args.trace, **common)
@@ -67,6 +71,18 @@ def main(argv: list[str] | None = None) -> None:
             Path(args.out).write_text(json.dumps(reports, indent=1, default=str) + "\n")
     finally:
         dist.destroy_process_group()
+
+
+def _fsdp_reports(model: str, batch: int, steps: int, time_limit: float) -> list[dict] | None:
+    """Every rank's :func:`memplan.torch.distributed.fsdp_compare.zoo_report`, on rank 0."""
+    import torch.distributed as dist
+
+    from memplan.torch.distributed.fsdp_compare import zoo_report
+
+    report = zoo_report(model, batch, steps, time_limit)
+    reports: list = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, report)
+    return reports if dist.get_rank() == 0 else None
 
 
 if __name__ == "__main__":

@@ -1,0 +1,256 @@
+"""Train K FSDP2 steps with memplan and with eager FSDP2 on every rank, from the same seed, and
+compare: the loss, every parameter (gathered: ``full_tensor()``) and every optimizer state
+tensor after every step, and each step's measured peak (the CPU allocator's, above what the
+process held before the step, plus what each variant holds between steps: shards, optimizer
+state, memplan's arena). Runs inside a gloo process group; :func:`run_ranks` spawns one.
+
+Used by ``tests/torch/test_fsdp.py`` and ``bench/fsdp.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import torch
+from torch import nn
+
+
+def mlp(seed: int = 0, width: int = 64, depth: int = 3) -> nn.Module:
+    """An MLP of ``depth`` blocks (Linear, GELU), widths not divisible by 2 or 4 (uneven shards)."""
+    torch.manual_seed(seed)
+    blocks = [nn.Sequential(nn.Linear(width + 3 if k else 16, width + 3), nn.GELU()) for k in range(depth)]
+    return nn.Sequential(*blocks, nn.Linear(width + 3, 5))
+
+
+def mlp_batch(rank: int, size: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(size, 16, generator=g), torch.randint(0, 5, (size,), generator=g)
+
+
+def cross_entropy(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out, target)
+
+
+def shard(model: nn.Module, world: int, reshard_after_forward: bool | None = None, **options: Any) -> nn.Module:
+    """``fully_shard`` every block (every child of the root) and the root, on a CPU mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    transformer = getattr(model, "transformer", None)  # HF GPT-2: its blocks are transformer.h
+    blocks = list(transformer.h) if transformer is not None else list(model.children())[:-1]
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, **options)
+    fully_shard(model, mesh=mesh, **options)
+    return model
+
+
+def adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _eager(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable) -> Callable:
+    def run(batch: tuple[Any, Any]) -> torch.Tensor:
+        loss = loss_fn(model(batch[0]), batch[1])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return run
+
+
+def _locals(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every parameter gathered, then every optimizer state tensor (this rank's shard)."""
+    out = [p.full_tensor().detach() for p in model.parameters()]
+    for p in model.parameters():
+        for v in optimizer.state[p].values():
+            out.append(v.to_local() if hasattr(v, "to_local") else v)
+    return out
+
+
+def _diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    pairs = [(x, y) for x, y in zip(a, b, strict=True) if x.numel()]
+    return max((float((x.double() - y.double()).abs().max()) for x, y in pairs), default=0.0)
+
+
+def _held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the shards and the optimizer state (each storage once)."""
+    seen: dict[int, int] = {}
+    tensors = [p.to_local() for p in model.parameters()]
+    tensors += [v.to_local() if hasattr(v, "to_local") else v for s in optimizer.state.values() for v in s.values()]
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def compare_with_fsdp2(
+    build: Callable[[int], nn.Module],
+    batch: Any,
+    *,
+    steps: int = 5,
+    reshard_after_forward: bool | None = None,
+    loss_fn: Callable = cross_entropy,
+    time_limit_seconds: float = 2.0,
+) -> dict[str, Any]:
+    """This rank's report: ``diffs`` (max abs difference of loss, gathered parameters and optimizer
+    state to eager FSDP2's, after each step), ``peaks`` (measured, by variant) and the plan's claim."""
+    from memplan.torch.distributed.fsdp_step import compile_fsdp_step
+    from memplan.torch.measure import allocator_peak_bytes
+
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    ref = shard(build(0), world, reshard_after_forward)
+    ref_opt = adamw(ref)
+    ours = shard(build(0), world, reshard_after_forward)
+    opt = adamw(ours)
+    step = compile_fsdp_step(ours, opt, loss_fn, batch, time_limit_seconds=time_limit_seconds)
+    eager = _eager(ref, ref_opt, loss_fn)
+    diffs, loss_diffs, peaks, seconds = [], [], {"fsdp2": 0, "memplan": 0}, {"fsdp2": [], "memplan": []}
+    for k in range(steps):
+        measure = k == steps - 1  # the steady state: both optimizers have their state
+        for name, run in (("fsdp2", eager), ("memplan", step)):
+            torch.manual_seed(7 + k)
+            dist.barrier()
+            start = time.perf_counter()
+            if measure:
+                loss, peak = allocator_peak_bytes(run, batch)
+                peaks[name] = peak
+            else:
+                loss = run(batch)
+            seconds[name].append(time.perf_counter() - start)
+            if name == "fsdp2":
+                ref_loss = loss
+        diffs.append(max(_diff([loss], [ref_loss]), _diff(_locals(ours, opt), _locals(ref, ref_opt))))
+        loss_diffs.append(_diff([loss], [ref_loss]))
+    runner = step.runner_for(batch)
+    return {
+        "rank": dist.get_rank(),
+        "diffs": diffs,
+        "loss_diffs": loss_diffs,
+        "step_peak_bytes": peaks,
+        "held_bytes": {"fsdp2": _held_bytes(ref, ref_opt), "memplan": _held_bytes(ours, opt) + runner.arena.numel()},
+        "arena_bytes": runner.arena.numel(),
+        "planned_peak_bytes": step.report["planned_peak_bytes"],
+        "collectives": sum("memplan_fsdp" in str(n.target) for n in runner.capture.gm.graph.nodes),
+        "median_seconds": {n: sorted(s)[len(s) // 2] for n, s in seconds.items()},
+    }
+
+
+def _rank_main(rank: int, world: int, store: str, out: str, fn: Callable, args: tuple) -> None:
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+        result = fn(*args)
+    except Exception:
+        result = {"error": traceback.format_exc()}
+    Path(out, f"{rank}.json").write_text(json.dumps(result, default=str))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn: Callable, *args: Any) -> list[dict[str, Any]]:
+    """``fn(*args)`` on ``world`` spawned gloo ranks; every rank's JSON-able result. A rank's
+    exception comes back as ``{"error": traceback}``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        try:
+            mp.spawn(_rank_main, args=(world, store, tmp, fn, args), nprocs=world, join=True)
+        except mp.ProcessExitedException:
+            if not all(Path(tmp, f"{r}.json").exists() for r in range(world)):
+                raise
+        return [json.loads(Path(tmp, f"{r}.json").read_text()) for r in range(world)]
+
+
+def measure_rss(
+    build: Callable[[int], nn.Module],
+    batch: Any,
+    variant: str,
+    *,
+    loss_fn: Callable = cross_entropy,
+    warmup_steps: int = 2,
+    time_limit_seconds: float = 2.0,
+) -> dict[str, Any]:
+    """This process's peak resident set during one steady step of ``variant`` ("memplan" or
+    "fsdp2") alone, above ``base`` (the resident set after the imports and the process group,
+    before the model exists): VmHWM, reset just before the step."""
+    import gc
+
+    import ortools.sat.python.cp_model  # noqa: F401  (both variants carry the solvers' libraries)
+
+    from memplan.torch.distributed.fsdp_step import compile_fsdp_step
+    from memplan.torch.rss import peak_rss_bytes, release_free_memory, reset_peak_rss, rss_bytes
+
+    torch.set_num_threads(1)
+    adamw(nn.Linear(1, 1))  # what creating an optimizer imports
+    gc.collect()
+    release_free_memory()
+    base = rss_bytes()
+    model = shard(build(0), dist.get_world_size())
+    optimizer = adamw(model)
+    if variant == "memplan":
+        run = compile_fsdp_step(model, optimizer, loss_fn, batch, time_limit_seconds=time_limit_seconds)
+    elif variant == "fsdp2":
+        run = _eager(model, optimizer, loss_fn)
+    else:
+        raise ValueError(f"unknown variant {variant!r}")
+    for k in range(warmup_steps):
+        torch.manual_seed(7 + k)
+        run(batch)
+    gc.collect()
+    release_free_memory()
+    dist.barrier()
+    reset_peak_rss()
+    torch.manual_seed(7 + warmup_steps)
+    run(batch)
+    peak = peak_rss_bytes()
+    return {"rank": dist.get_rank(), "variant": variant, "base_bytes": base, "peak_above_base": peak - base}
+
+
+def zoo_report(model_name: str, batch_size: int, steps: int, time_limit_seconds: float = 2.0) -> dict[str, Any]:
+    """:func:`compare_with_fsdp2` on a zoo model (every rank its own batch, from its rank's seed),
+    as ``memplan run MODEL --nproc N --fsdp`` reports it: ``variants.{memplan, fsdp2}``, each with
+    ``max_abs_diff`` (to memplan's numbers, over every step) and ``peak_bytes`` (measured: what it
+    holds between steps + the allocator's peak during a steady step)."""
+    from memplan.torch.zoo import build_workload
+
+    rank = dist.get_rank()
+    w = build_workload(model_name, batch_size, seed=rank)
+    batch, loss_fn = (w.inputs, w.target), w.loss_fn
+    del w
+
+    def build(seed: int) -> nn.Module:
+        return build_workload(model_name, batch_size, seed=seed).model
+
+    r = compare_with_fsdp2(build, batch, steps=steps, loss_fn=loss_fn, time_limit_seconds=time_limit_seconds)
+    variants = {
+        name: {
+            "max_abs_diff": 0.0 if name == "memplan" else max(r["diffs"]),
+            "peak_bytes": r["held_bytes"][name] + r["step_peak_bytes"][name],
+            "step_seconds": r["median_seconds"][name],
+        }
+        for name in ("memplan", "fsdp2")
+    }
+    return {
+        "rank": rank,
+        "model": model_name,
+        "world_size": dist.get_world_size(),
+        "batch_size": batch_size,
+        "steps": steps,
+        "diffs": r["diffs"],
+        "variants": variants,
+        "arena_bytes": r["arena_bytes"],
+        "planned_peak_bytes": r["planned_peak_bytes"],
+        "collectives": r["collectives"],
+    }

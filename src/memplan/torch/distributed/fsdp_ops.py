@@ -1,0 +1,126 @@
+"""FSDP2's two collectives as traceable ops: ``memplan_fsdp::all_gather`` and ``memplan_fsdp::reduce_scatter``.
+
+A captured FSDP2 step (:mod:`memplan.torch.distributed.fsdp`) contains one op per unit for each
+collective FSDP2 runs, so the plan orders and places their buffers like any other op; the
+runtime runs the real op, which calls ``torch.distributed`` synchronously. Both use FSDP2's own
+layout (``torch.distributed.fsdp._fully_shard._fsdp_collectives``), so the bits are FSDP2's:
+
+* shards are dim-0 chunks of ``ceil(rows / world)`` rows, the last ones padded (FSDP2's
+  ``_get_dim0_padded_size``); a parameter's padded shard is all-gathered on its own into the
+  padded full parameter, whose first ``rows`` rows are the parameter (FSDP2 gathers a unit at
+  once and copies each parameter out: a gather is a copy, so the bits are the same, and no
+  copy-out buffer is needed);
+* the reduce-scatter input is FSDP2's ``chunk_cat``: for each rank, chunk ``r`` of every padded
+  gradient, back to back in the unit's parameter order; it is reduced with
+  ``dist.reduce_scatter_single(op=AVG)`` (what ``_get_gradient_divide_factors`` picks for fp32
+  and bf16 gradients with no divide factor) on the same buffer as FSDP2's, so gloo reduces
+  every element in the same order. Each parameter's gradient shard is a view of the output at
+  the padded offset FSDP2 uses.
+
+Both ops have ``out=`` variants, so the runtime writes their results into the arena. Padding is
+left uninitialised (``new_empty``): it is gathered or reduced, and never read.
+
+The process group is passed as an index into :data:`GROUPS` (an op's schema takes no Python
+object); :func:`register_group` adds one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch.distributed as dist
+
+import torch
+
+GROUPS: list[dist.ProcessGroup] = []
+
+
+def register_group(group: dist.ProcessGroup) -> int:
+    """The index of ``group`` in :data:`GROUPS` (added on first use)."""
+    for k, g in enumerate(GROUPS):
+        if g is group:
+            return k
+    GROUPS.append(group)
+    return len(GROUPS) - 1
+
+
+def padded_rows(rows: int, world: int) -> int:
+    """Rows of one shard: FSDP2's dim-0 chunk, ``ceil(rows / world)``."""
+    return -(-rows // world)
+
+
+def _row_numel(t: torch.Tensor) -> int:
+    return math.prod(t.shape[1:])
+
+
+_LIB = torch.library.Library("memplan_fsdp", "DEF")  # the ops live as long as the process
+_LIB.define("all_gather(Tensor input, int group) -> Tensor")
+_LIB.define("all_gather.out(Tensor input, int group, *, Tensor(a!) out) -> Tensor(a!)", tags=torch.Tag.out)
+_LIB.define("reduce_scatter(Tensor input, int group) -> Tensor")
+_LIB.define("reduce_scatter.out(Tensor input, int group, *, Tensor(a!) out) -> Tensor(a!)", tags=torch.Tag.out)
+
+
+def _all_gather_out(inp: torch.Tensor, group: int, *, out: torch.Tensor) -> torch.Tensor:
+    dist.all_gather_single(out, inp, group=GROUPS[group])
+    return out
+
+
+def _all_gather(inp: torch.Tensor, group: int) -> torch.Tensor:
+    return _all_gather_out(inp, group, out=inp.new_empty(dist.get_world_size(GROUPS[group]) * inp.numel()))
+
+
+def _reduce_scatter_out(inp: torch.Tensor, group: int, *, out: torch.Tensor) -> torch.Tensor:
+    dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.AVG, group=GROUPS[group])
+    return out
+
+
+def _reduce_scatter(inp: torch.Tensor, group: int) -> torch.Tensor:
+    return _reduce_scatter_out(inp, group, out=inp.new_empty(inp.numel() // dist.get_world_size(GROUPS[group])))
+
+
+_LIB.impl("all_gather", _all_gather, "CPU")
+_LIB.impl("all_gather.out", _all_gather_out, "CPU")
+_LIB.impl("reduce_scatter", _reduce_scatter, "CPU")
+_LIB.impl("reduce_scatter.out", _reduce_scatter_out, "CPU")
+_LIB.impl("all_gather", lambda inp, group: inp.new_empty(dist.get_world_size(GROUPS[group]) * inp.numel()), "Meta")
+_LIB.impl("reduce_scatter", lambda inp, group: inp.new_empty(inp.numel() // dist.get_world_size(GROUPS[group])), "Meta")
+
+
+def gather_unit(shards: list[torch.Tensor], full_rows: list[int], group: int) -> list[torch.Tensor]:
+    """The full parameters of one unit from every rank's (unpadded) dim-0 shards: one all-gather
+    per parameter of its shard padded to ``ceil(rows / world)`` rows, whose output is the padded
+    full parameter (rank-major), so no copy-out is needed (FSDP2 gathers a unit at once and
+    copies each parameter out; a gather is a copy, so the bits are the same)."""
+    world = dist.get_world_size(GROUPS[group])
+    result = []
+    for s, rows in zip(shards, full_rows, strict=True):
+        chunk = padded_rows(rows, world)
+        padded = s.new_empty((chunk, *s.shape[1:]))  # the same ops on every rank; the padding is never read
+        padded[: s.shape[0]].copy_(s)
+        full = torch.ops.memplan_fsdp.all_gather(padded.view(-1), group).view(world * chunk, *s.shape[1:])
+        result.append(full[:rows])
+    return result
+
+
+def scatter_numels(grads: list[torch.Tensor], world: int) -> list[int]:
+    """Each gradient's share of one rank's reduce-scatter output (its padded shard's numel)."""
+    return [padded_rows(g.shape[0], world) * _row_numel(g) for g in grads]
+
+
+def reduce_scatter_unit(grads: list[torch.Tensor], group: int) -> torch.Tensor:
+    """This rank's flat shard of the unit's gradients averaged over the ranks: FSDP2's
+    ``chunk_cat`` copy-in (rank ``r``'s row: chunk ``r`` of every padded gradient, zeros past
+    its last row) and its reduce-scatter."""
+    world = dist.get_world_size(GROUPS[group])
+    numels = scatter_numels(grads, world)
+    inp = grads[0].new_empty((world, sum(numels)))  # the padding is reduced, never read
+    offset = 0
+    for g, n in zip(grads, numels, strict=True):
+        rows, row_numel = g.shape[0], _row_numel(g)
+        chunk = padded_rows(rows, world)
+        for r in range(world):
+            lo, hi = min(r * chunk, rows), min((r + 1) * chunk, rows)
+            if hi > lo:
+                inp[r, offset : offset + (hi - lo) * row_numel].copy_(g[lo:hi].reshape(-1))
+        offset += n
+    return torch.ops.memplan_fsdp.reduce_scatter(inp.view(-1), group)

@@ -1,0 +1,208 @@
+"""FSDP2 (``fully_shard``) training steps planned by memplan (issue 35), on gloo, CPU.
+
+Two spawned ranks train an MLP whose blocks and root are ``fully_shard``-ed (widths that do
+not divide by the world size: uneven, padded shards) with AdamW, with memplan's planned step
+and with eager FSDP2, from the same seed: the loss, every gathered parameter and every
+optimizer state tensor must be bit-identical after every step, on every rank. The refusals
+run on a 1-rank group in this process.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch.distributed as dist
+
+import torch
+from memplan.errors import UnplannedWrapper
+from memplan.torch.distributed import fsdp_compare as fc
+
+
+def _mlp(seed: int) -> torch.nn.Module:
+    return fc.mlp(seed, width=256, depth=3)  # 259 rows: shards of 130 and 129 on 2 ranks, 65 and 64 on 4
+
+
+def _two_ranks(reshard_after_forward: bool | None, steps: int) -> dict:
+    batch = fc.mlp_batch(dist.get_rank())
+    return fc.compare_with_fsdp2(
+        _mlp, batch, steps=steps, reshard_after_forward=reshard_after_forward, time_limit_seconds=0.5
+    )
+
+
+def _gpt2(steps: int) -> dict:
+    from memplan.torch.zoo import build_workload
+
+    w = build_workload("gpt2-2l", 1, seed=dist.get_rank())
+    build = lambda seed: build_workload("gpt2-2l", 1, seed=seed).model  # noqa: E731
+    return fc.compare_with_fsdp2(build, (w.inputs, w.target), steps=steps, loss_fn=w.loss_fn, time_limit_seconds=1)
+
+
+def _check(ranks: list[dict], steps: int, collectives: int) -> None:
+    for r in ranks:
+        assert "error" not in r, r["error"]
+        assert r["diffs"] == [0.0] * steps  # loss, gathered parameters, optimizer state: every step
+        assert r["collectives"] == collectives
+        # memplan holds the shards, the optimizer state and its arena between steps; eager FSDP2
+        # the shards and the state. Peak = what is held + the step's allocations above it.
+        ours = r["held_bytes"]["memplan"] + r["step_peak_bytes"]["memplan"]
+        eager = r["held_bytes"]["fsdp2"] + r["step_peak_bytes"]["fsdp2"]
+        assert ours < eager, (ours, eager)
+
+
+def test_two_ranks_train_bit_for_bit_like_fsdp2() -> None:
+    """FSDP2's defaults: blocks reshard after forward, the root does not. In the forward, one
+    gather per parameter of the 4 units (3 blocks and the root: 8); in the backward the blocks'
+    again where the backward reads a weight (blocks 1 and 2, not block 0: its input needs no
+    gradient: 4); one reduce-scatter per unit (4)."""
+    _check(fc.run_ranks(2, _two_ranks, None, 3), steps=3, collectives=8 + 4 + 4)
+
+
+@pytest.mark.slow
+def test_two_ranks_without_reshard_after_forward() -> None:
+    _check(fc.run_ranks(2, _two_ranks, False, 5), steps=5, collectives=8 + 4)
+
+
+@pytest.mark.slow
+def test_two_ranks_train_gpt2_bit_for_bit_like_fsdp2() -> None:
+    """HF GPT-2 (2 layers): its tied embedding (wte and lm_head, one FSDP2 parameter) gathered once
+    into both places."""
+    for r in fc.run_ranks(2, _gpt2, 2):
+        assert "error" not in r, r["error"]
+        assert r["diffs"] == [0.0, 0.0]
+
+
+@pytest.mark.slow
+def test_four_ranks_train_bit_for_bit_like_fsdp2() -> None:
+    """Four ranks: gloo's reduction order depends on the buffer, which is FSDP2's own layout."""
+    _check(fc.run_ranks(4, _two_ranks, None, 3), steps=3, collectives=8 + 4 + 4)
+
+
+# ---------------------------------------------------------------- refusals, one rank
+
+
+@pytest.fixture
+def one_rank():
+    if dist.is_initialized():
+        pytest.fail("a process group is already initialized in the test process")
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def _half_sharded(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model[0])
+    return model
+
+
+def _mixed_precision(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return fc.shard(model, 1, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+
+
+def _shard_dim_1(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.tensor import Shard
+
+    return fc.shard(model, 1, shard_placement_fn=lambda p: Shard(p.dim() - 1))
+
+
+def _fsdp1(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel(model, device_id=torch.device("cpu"))
+
+
+def _grouped_unit(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard([model[0], model[1]])
+    return fully_shard(model)
+
+
+def _offloaded(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return fc.shard(model, 1, offload_policy=CPUOffloadPolicy(pin_memory=False))
+
+
+REFUSED = {
+    "fsdp1": (_fsdp1, r"the model is wrapped in FSDP1's FullyShardedDataParallel: memplan plans FSDP2 only"),
+    "half-sharded": (_half_sharded, r"parameter '1\.0\.weight' is not sharded while others are sharded"),
+    "mixed precision": (_mixed_precision, r"the root unit uses a MixedPrecisionPolicy .*drop mp_policy"),
+    "shard dim 1": (_shard_dim_1, r"the root unit shards parameter 'weight' on Shard\(1\): .*default Shard\(0\)"),
+    "several modules": (_grouped_unit, r"fully_shard was applied to 2 modules at once"),
+    "offload": (_offloaded, r"the root unit uses CPUOffloadPolicy"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_what_the_slice_does_not_plan_is_refused_in_one_line(one_rank, case: str) -> None:
+    from memplan.torch.distributed import compile_fsdp_step
+
+    wrap, reason = REFUSED[case]
+    model = wrap(fc.mlp(0, width=8, depth=2))
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(UnplannedWrapper, match=reason) as err:
+        compile_fsdp_step(model, opt, fc.cross_entropy, fc.mlp_batch(0))
+    assert "\n" not in str(err.value)
+
+
+def test_reshard_after_forward_as_an_int_is_refused(one_rank) -> None:
+    """An int resharding mesh needs 4+ ranks to build; the check reads the unit's post-forward
+    mesh, which is then another mesh than its shard mesh."""
+    from memplan.torch.distributed.fsdp import refuse_unsupported
+
+    model = fc.shard(fc.mlp(0, width=8, depth=1), 1)
+    group = model[0]._get_fsdp_state()._fsdp_param_groups[0]
+    refuse_unsupported(group, "0", is_root=False)  # reshard_after_forward=True: planned
+    group.post_forward_mesh_info = object()
+    with pytest.raises(UnplannedWrapper, match=r"unit '0' has reshard_after_forward as an int"):
+        refuse_unsupported(group, "0", is_root=False)
+
+
+def test_one_rank_trains_bit_for_bit_like_fsdp2(one_rank) -> None:
+    """The same comparison on one rank, in this process (the collectives copy)."""
+    report = fc.compare_with_fsdp2(fc.mlp, fc.mlp_batch(0), steps=3)
+    assert report["diffs"] == [0.0] * 3
+
+
+def test_a_collective_of_the_step_itself_is_refused(one_rank) -> None:
+    """A collective the plan cannot place (the loss function's own all-reduce) is refused in one line."""
+    from memplan.torch.distributed import compile_fsdp_step
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = fc.cross_entropy(out, target)
+        dist.all_reduce(loss.detach())
+        return loss
+
+    model = fc.shard(fc.mlp(0, width=8, depth=1), 1)
+    with pytest.raises(UnplannedWrapper, match=r"the step runs the collective c10d\.allreduce_\.default itself"):
+        compile_fsdp_step(model, fc.adamw(model), loss_fn, fc.mlp_batch(0), time_limit_seconds=0.5)
+
+
+@pytest.mark.slow
+def test_memplan_run_fsdp_with_two_ranks(tmp_path) -> None:
+    """``memplan run MODEL --nproc 2 --fsdp`` launches torchrun (gloo) and compares with eager FSDP2."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from memplan.cli import app
+
+    out = tmp_path / "run.json"
+    args = ["run", "mlp", "--nproc", "2", "--fsdp", "--steps", "2", "--time-limit", "1", "--json", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    ranks = json.loads(out.read_text())["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert set(r["variants"]) == {"memplan", "fsdp2"}
+        assert all(v["max_abs_diff"] == 0.0 for v in r["variants"].values())
+        assert all(v["peak_bytes"] > 0 for v in r["variants"].values())
