@@ -3,8 +3,11 @@ force), tight on a hand-made chain, and what it lets the portfolio and the CP mo
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import math
+import random
 import time
 from pathlib import Path
 
@@ -14,9 +17,10 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from memplan.graph.io import write_graph_json
+from memplan.graph.ir import Graph
 from memplan.remat import solve_remat
 from memplan.remat.baselines import BASELINES, checkpoint_all, solver_graph
-from memplan.remat.bounds import SCOPE, drop_cover_bound
+from memplan.remat.bounds import SCOPE, _greedy_cover, drop_cover_bound, exact_cover, lp_cover
 from memplan.remat.coarsen import identity
 from memplan.remat.moccasin import solve_moccasin
 from memplan.remat.portfolio import ALWAYS_RUN
@@ -54,17 +58,18 @@ CHAIN = fwd_bwd_chain([10, 10, 10, 10], [3, 7, 5, 2])
 
 
 def test_the_bound_is_the_optimum_at_the_floor_of_a_chain() -> None:
-    """At 31 B the loss's first run must drop 10 B of x0..x1; re-running f0 (cost 3) is the
-    cheapest way, and the CP model proves 49 optimal: the bound is tight there."""
+    """At 31 B the first run of f3 must drop 9 B of x0..x1 and the loss's 10 B of x0..x2;
+    re-running f0 (cost 3) is the cheapest way, and the CP model proves 49 optimal: the bound
+    is tight there (the exact cover attains it first at f3; the LP's sliver only at the loss)."""
     floor = memory_floor(RematProblem(CHAIN, 0)).bytes
     assert floor == 31
     problem = RematProblem(CHAIN, floor, time_limit_seconds=5.0, workers=1)
     bound = drop_cover_bound(problem)
     plan, status, _ = solve_moccasin(problem, identity(problem))
     assert plan is not None and status.status == "optimal"
-    assert bound.cost == plan.compute_cost == 49.0 and CHAIN.ops[bound.op].name == "loss"
+    assert bound.cost == plan.compute_cost == 49.0 and CHAIN.ops[bound.op].name in ("f3", "loss")
     loose = RematProblem(CHAIN, 40)
-    assert 46.0 < drop_cover_bound(loose).cost < 49.0
+    assert 46.0 < drop_cover_bound(loose).cost <= 49.0
     assert drop_cover_bound(RematProblem(CHAIN, 41)).extra == 0.0
 
 
@@ -168,3 +173,63 @@ def test_coarse_baselines_run_when_no_plan_is_proven(seed: int, monkeypatch: pyt
     best, _ = run.hint_for(run.whole)
     fits_whole = any(a.get("feasible") for a in run.attempts if a["name"] in BASELINES)
     assert (best is not None) == fits_whole and (best is None or len(best) == run.whole.size)
+
+
+# --- the exact cover (issue 36: per-cut covering bounds solved exactly) -------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    items=st.lists(st.tuples(st.integers(0, 50), st.integers(1, 40)), min_size=0, max_size=9),
+    excess=st.integers(-5, 150),
+)
+def test_the_exact_cover_is_the_least_cover(items: list[tuple[int, int]], excess: int) -> None:
+    """``exact_cover`` is the least cost over every subset that frees ``excess`` bytes (brute
+    force), between its LP relaxation and the greedy cover; cut short it returns the LP's value."""
+    covers = [
+        sum(c for c, _ in chosen)
+        for r in range(len(items) + 1)
+        for chosen in itertools.combinations(items, r)
+        if sum(s for _, s in chosen) >= excess
+    ]
+    best = min(covers, default=math.inf)
+    pairs = [(float(c), s) for c, s in items]
+    exact = exact_cover(excess, pairs)
+    assert exact == best
+    if excess > 0:
+        assert lp_cover(excess, pairs) <= exact + 1e-9 and exact <= _greedy_cover(excess, pairs)
+        assert exact_cover(excess, pairs, node_limit=0) == lp_cover(excess, pairs) <= exact + 1e-9
+
+
+def test_the_exact_cover_beats_its_lp_where_the_optimum_is_one_recomputation() -> None:
+    """The chain at 40 B: the loss's first run must drop 1 B; the LP takes a tenth of f0's
+    re-run (46.3), the exact cover the whole of it (49): the CP model's proven optimum, so the
+    bound is the optimum (no plan in program order costs less than the bound, none less than 49
+    with at most 2 runs per op)."""
+    problem = RematProblem(CHAIN, 40, time_limit_seconds=5.0, workers=1)
+    plan, status, _ = solve_moccasin(problem, identity(problem))
+    assert plan is not None and status.status == "optimal" and status.objective == 49.0
+    assert drop_cover_bound(problem).cost == 49.0
+
+
+def _recosted(graph: Graph, seed: int) -> Graph:
+    """``graph`` with costs drawn so that cheap ops are far cheaper than dear ones (0-2 or
+    50-100): where a cheap re-run frees a large tensor the exact cover and its LP part most."""
+    rng = random.Random(seed)
+    flops = [rng.choice((rng.randint(0, 2), rng.randint(50, 100))) for _ in graph.ops]
+    ops = tuple(dataclasses.replace(op, flops=f) for op, f in zip(graph.ops, flops, strict=True))
+    return Graph(ops, graph.tensors, graph.name)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), num_ops=st.integers(3, 5), fraction=st.floats(0.3, 1.0))
+def test_the_exact_cover_bound_is_below_every_plan_in_program_order(seed: int, num_ops: int, fraction: float) -> None:
+    """On random DAGs with far-apart costs, the bound never exceeds the cheapest plan in
+    program order (brute force over Checkmate's R): a bound above the optimum is a bug."""
+    graph = _recosted(small_graph(seed, num_ops), seed)
+    top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
+    problem = RematProblem(graph, int(top * fraction))
+    bound = drop_cover_bound(problem)
+    optimum = cheapest(all_plans(graph), problem.budget_bytes, in_order=True)
+    if optimum is not None:
+        assert bound.cost <= optimum + 1e-9
