@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from memplan.errors import MemplanError
 from memplan.isolate import in_child
-from memplan.placement import PlacementProblem, place, validate_placement
+from memplan.placement import Placement, PlacementProblem, place, validate_placement
 from memplan.torch.run import allocator
 from memplan.torch.run.allocator import AllocationTrace, BranchedPlan, NativeReplay, ReplayStats
 from memplan.torch.run.arena import SharedArena
@@ -99,8 +99,25 @@ class ReplayedStep:
         arena: SharedArena | None = None,
         native: NativeReplay | None = None,
         schedulers: Sequence[Any] = (),
+        place_after: int = 2,
+        keep_observed: bool = False,
     ) -> None:
         self.native = native if native is not None else allocator.cpu()
+        # recordings alike before one is placed: 2 waits for a repeat; 1 places the first step
+        # recorded without the self-check's dispatch mode (exact either way: a replayed step is
+        # checked allocation by allocation, and one that differs finishes on the allocator)
+        self.place_after = place_after
+        # keep the first (observed) step's trace as a branch of the plan, for a plan cache: a
+        # restarted process's first step, observed alike, then replays from it
+        self.keep_observed = keep_observed
+        self._observed: AllocationTrace | None = None
+        # called after each solved placement with the step and its offsets (a plan cache stores them)
+        self.on_placed: Callable[[ReplayedStep, dict[int, int]], None] | None = None
+        self.first_steps: dict[str, Any] = {}  # the report's account of the first steps (filled in place)
+        self.calls = 0
+        self._replayed_now = False
+        self._preloaded = False  # a plan from a cache, not yet confirmed by an unobserved step
+        self._first_plan: BranchedPlan | None = None  # the plan's branches with the observed one first
         self.schedulers = list(schedulers)  # state the verification of a first replay puts back
         self.run = run
         self.time_limit_seconds = time_limit_seconds
@@ -119,6 +136,17 @@ class ReplayedStep:
         self.diverged_in_a_row = 0
 
     def __call__(self, batch: Any) -> Any:
+        self.calls += 1
+        result = self._step(batch)
+        stats = self.last_stats
+        whole = self._replayed_now and stats is not None and stats.diverged_at is None
+        if whole and "replayed_at_call" not in self.first_steps:  # the first step served from the plan throughout
+            self.first_steps["replayed_at_call"] = self.calls
+            self.first_steps["visits_before_replay"] = self.calls - 1
+        return result
+
+    def _step(self, batch: Any) -> Any:
+        self._replayed_now = False
         if self.refused is not None:
             return self.run(batch)
         if self.plan is None:
@@ -129,7 +157,7 @@ class ReplayedStep:
             return self._replay(batch)
         self._unverified = False
         result, reason = verify_by_rerun(
-            StepObjects.of(self.run, self.schedulers), lambda: self._replay(batch), lambda: self.run(batch)
+            StepObjects.of(self.run, self.schedulers), lambda: self._replay(batch), lambda: self._rerun(batch)
         )
         if reason is not None:
             self.refused = f"{reason}: replay given up"
@@ -141,22 +169,39 @@ class ReplayedStep:
         self.native.release_free_memory()
         return result
 
+    def _rerun(self, batch: Any) -> Any:
+        """The verification's run on the ordinary allocator, the arena released first (the next
+        replayed step reserves it again): the device never holds the arena and the rerun's
+        blocks at once, so what it holds stays within the placed step plus the cache's bound."""
+        self.shared.release()
+        return self.run(batch)
+
     def _replay(self, batch: Any) -> Any:
         """One step with every planned allocation at its offset."""
         assert self.plan is not None
         arena = self.shared.reserve(self.arena_block_bytes)
-        self.native.begin_replay(self.plan, arena.data_ptr(), arena.numel())
+        plan, self._first_plan = self._first_plan or self.plan, None  # the first step follows the observed branch
+        self.native.begin_replay(plan, arena.data_ptr(), arena.numel())
         try:
             result = self.run(batch)
         finally:
             stats = self.native.end_replay()
         self.last_stats = stats
         self.replays += 1
+        self._replayed_now = True
         if stats.arena_alive_after:
             raise MemplanError(
                 f"{stats.arena_alive_after} arena allocation(s) outlived the step, which the recording did not show; "
                 "keep no tensor of the step alive across steps, or run with allocator='views'"
             )
+        if self._preloaded and not getattr(self.run, "last_step_observed", False):
+            self._preloaded = False  # the first unobserved step decides: a cached plan it left is stale
+            if stats.diverged_at is not None:
+                self.plan, self.traces, self.recordings, self._pending, self._previous = None, [], 0, None, None
+                self._observed = None  # the entry's observed branch is as stale
+                self.first_steps.pop("placement", None)
+                self.first_steps["cache_entry"] = f"stale (the step left it at allocation {stats.diverged_at})"
+                return result
         if stats.diverged_at is None or self._branch_off():
             self.diverged_in_a_row = 0
             return result
@@ -215,15 +260,67 @@ class ReplayedStep:
         self.native.release_free_memory()
         self.recordings += 1
         if getattr(self.run, "last_step_observed", False):
+            if self.keep_observed and self._observed is None:
+                self._observed = trace
             return result  # the self-check's dispatch mode changed this step's allocations: record again
         steady = self._previous is not None and self._previous.sizes == trace.sizes
-        if steady or self.recordings >= MAX_RECORDINGS:
+        if steady or self.place_after <= 1 or self.recordings >= MAX_RECORDINGS:
             self._plan(trace)
         self._previous = trace
         return result
 
     def _plan(self, trace: AllocationTrace) -> None:
-        self._place([trace])
+        self._place([trace] if self._observed is None else [trace, self._observed])
+
+    @property
+    def observed_branch(self) -> int | None:
+        """Which branch of the plan is the first (observed) step's, if it is one."""
+        return next((b for b, trace in enumerate(self.traces) if trace is self._observed), None)
+
+    def preload(
+        self, traces: Sequence[AllocationTrace], offsets: dict[int, int], arena_bytes: int, first: int | None = None
+    ) -> None:
+        """Make a placement solved before (a plan cache's) the plan, without solving: the
+        offsets are validated as a solver's are (OLLA eq. 6 over the trie, then per branch);
+        raises :class:`memplan.placement.InvalidPlacement` (or ValueError) if they do not hold.
+        ``first``: the branch of an observed first step, which the first replayed step starts on
+        (the allocator moves to another branch only where they share every allocation so far)."""
+        start = time.perf_counter()
+        if any(t.alignment_bytes != self.native.alignment_bytes for t in traces):
+            raise ValueError("traces of another alignment")
+        trie = build_trie(traces)
+        problem, buffers = trie_problem(trie)
+        if sorted(offsets) != sorted(buffers):
+            raise ValueError("offsets for other buffers")
+        solved = Placement(tuple(offsets[i] for i in buffers), arena_bytes, "cached", "feasible", 0.0, 0.0, 0)
+        validate_placement(problem, solved)
+        lower_bound = validate_branches(trie, offsets, solved)
+        self._install(trie, offsets, solved, lower_bound, list(traces))
+        self._preloaded = True
+        if first is not None and 0 < first < len(traces):
+            assert self.plan is not None
+            self._first_plan = starting_with(self.plan, first)
+            self._observed = self.traces[first]  # a branch again if this step is placed anew
+        self.planning_seconds += time.perf_counter() - start
+        self.first_steps.update(placement="cached", placing_seconds=round(time.perf_counter() - start, 3))
+
+    def _install(
+        self, trie: Any, offsets: dict[int, int], solved: Placement, lower_bound: int, traces: list[AllocationTrace]
+    ) -> None:
+        self.shared.reserve(self.native.arena_block_bytes(solved.arena_bytes))
+        self.plan = branched_plan(trie, offsets, solved.arena_bytes)
+        self.traces = list(traces)
+        self._unverified = self.native.verify_first_replay
+        self.placement = ArenaPlacement(
+            solved.arena_bytes,
+            lower_bound,
+            solved.method,
+            solved.status,
+            solved.seconds,
+            sum(t.num_allocations for t in traces),
+            sum(trie.placed),
+            len(traces),
+        )
 
     def _place(self, traces: list[AllocationTrace]) -> None:
         """Place the branches ``traces`` in one arena (one branch: the recorded step), validate
@@ -239,18 +336,16 @@ class ReplayedStep:
         # this untimed step, not on first touch in the first replayed step)
         self._previous = None
         self.native.release_free_memory()
-        self.shared.reserve(self.native.arena_block_bytes(solved.arena_bytes))
+        self._install(trie, offsets, solved, lower_bound, traces)
         self.planning_seconds += time.perf_counter() - start
-        self.plan = branched_plan(trie, offsets, solved.arena_bytes)
-        self.traces = list(traces)
-        self._unverified = self.native.verify_first_replay
-        self.placement = ArenaPlacement(
-            solved.arena_bytes,
-            lower_bound,
-            solved.method,
-            solved.status,
-            solved.seconds,
-            sum(t.num_allocations for t in traces),
-            len(buffers),
-            len(traces),
-        )
+        self.first_steps.setdefault("placement", "solved")
+        self.first_steps.setdefault("placing_seconds", round(time.perf_counter() - start, 3))
+        if self.on_placed is not None:
+            self.on_placed(self, offsets)
+
+
+def starting_with(plan: BranchedPlan, first: int) -> BranchedPlan:
+    """The same plan with branch ``first`` first (the allocator starts every step on branch 0)."""
+    order = [first, *(b for b in range(len(plan.branches)) if b != first)]
+    shared = tuple(tuple(plan.shared[a][b] for b in order) for a in order)
+    return BranchedPlan(tuple(plan.branches[b] for b in order), shared, plan.arena_bytes)
