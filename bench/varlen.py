@@ -9,6 +9,13 @@ loss and the final parameters are compared between the two processes (bitwise).
 
     python bench/varlen.py                   # writes bench/results/varlen.md
     python bench/varlen.py --steps 20 --max-plans 4
+
+Issue 37 (one plan for a range of lengths): ``--lengths 40:128:12 --per-length 3`` runs every one
+of 12 lengths from 40 to 128 three times in random order; ``--dynamic 128`` declares
+``dynamic={1: 128}`` (the largest length planned first, every length reuses that plan);
+``--model llama`` is a small Llama-style decoder built from an HF ``LlamaConfig``. Besides wall
+seconds, each step's CPU seconds (this process and its children: the solvers run in one) are
+kept, as the machine may be shared.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import argparse
 import json
 import multiprocessing
 import random
+import resource
 import sys
 import tempfile
 import time
@@ -28,39 +36,99 @@ MODEL = "gpt2-2l"
 BATCH = 2
 
 
-def length_order(steps: int, seed: int) -> list[int]:
+def length_order(steps: int, seed: int, lengths: tuple[int, ...] = LENGTHS, per_length: int = 0) -> list[int]:
     """Every length once in random order, then random lengths: the shapes a loader without
-    fixed padding gives."""
+    fixed padding gives. ``per_length``: every length exactly that many times, shuffled."""
     rng = random.Random(seed)
-    order = rng.sample(LENGTHS, len(LENGTHS))
-    return (order + [rng.choice(LENGTHS) for _ in range(max(0, steps - len(order)))])[:steps]
+    if per_length:
+        order = [n for n in lengths for _ in range(per_length)]
+        rng.shuffle(order)
+        return order
+    order = rng.sample(lengths, len(lengths))
+    return (order + [rng.choice(lengths) for _ in range(max(0, steps - len(order)))])[:steps]
 
 
-def train(side: str, lengths: list[int], seed: int, max_plans: int, state_path: str) -> dict[str, Any]:
+def parse_lengths(text: str | None) -> tuple[int, ...]:
+    """``"40:128:12"``: 12 lengths evenly from 40 to 128; ``"40,64,128"``: those; None: LENGTHS."""
+    if not text:
+        return LENGTHS
+    if ":" in text:
+        lo, hi, n = (int(x) for x in text.split(":"))
+        return tuple(sorted({round(lo + (hi - lo) * k / (n - 1)) for k in range(n)}))
+    return tuple(int(x) for x in text.split(","))
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process and of its waited-for children (the solvers' child)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def build_model(name: str, batch: int, seed: int) -> Any:
+    """The zoo's GPT-2 (2 layers), or ``"llama"``: a 2-layer Llama-style decoder (RMSNorm, RoPE,
+    SwiGLU, grouped-query attention) from an HF ``LlamaConfig``, hidden 256, vocab 32000."""
+    from memplan.torch.zoo import Workload, build_workload
+
+    if name != "llama":
+        return build_workload(name, batch, seed=seed)
+    import transformers
+
+    import torch
+    from memplan.torch.zoo import Logits, _token_loss
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+        attn_implementation="eager",
+    )
+    model = Logits(transformers.LlamaForCausalLM(config))
+    ids = torch.randint(0, 32000, (batch, 16))
+    return Workload(model, ids, ids, _token_loss)
+
+
+def train(
+    side: str, lengths: list[int], seed: int, max_plans: int, state_path: str, options: dict[str, Any]
+) -> dict[str, Any]:
     """Train one side in this process; per step: length, peak RSS during the step, RSS after,
     seconds, loss (as bytes, for a bitwise comparison) and memplan's plan counters."""
     import memplan  # noqa: F401  (solvers before the allocator)
     import torch
     from memplan.api import compile_step
     from memplan.torch.rss import peak_rss_bytes, reset_peak_rss, rss_bytes
-    from memplan.torch.zoo import build_workload, make_optimizer
+    from memplan.torch.zoo import make_optimizer
 
-    w = build_workload(MODEL, BATCH, seed=seed)
+    batch_size = options.get("batch", BATCH)
+    w = build_model(options.get("model", MODEL), batch_size, seed)
     model = w.model.train()
     vocab = model.model.config.vocab_size
     optimizer = make_optimizer("adamw", model.parameters())
 
     def batch_of(step: int, length: int) -> tuple[Any, Any]:
         g = torch.Generator().manual_seed(seed * 100_003 + step)
-        return torch.randint(0, vocab, (BATCH, length), generator=g), torch.randint(
-            0, vocab, (BATCH, length), generator=g
+        return torch.randint(0, vocab, (batch_size, length), generator=g), torch.randint(
+            0, vocab, (batch_size, length), generator=g
         )
 
     compiled = None
+    dynamic = {1: options["dynamic"]} if options.get("dynamic") else None
     if side != "eager":
+        cpu_start, wall_start = cpu_seconds(), time.perf_counter()
         compiled = compile_step(
-            model, optimizer, w.loss_fn, batch_of(0, lengths[0]), allocator=side, max_plans=max_plans
+            model,
+            optimizer,
+            w.loss_fn,
+            batch_of(0, lengths[0]),
+            allocator=side,
+            max_plans=max_plans,
+            dynamic=dynamic,
         )
+        compile_cpu, compile_wall = cpu_seconds() - cpu_start, time.perf_counter() - wall_start
 
     def eager_step(batch: tuple[Any, Any]) -> Any:
         loss = w.loss_fn(model(batch[0]), batch[1])
@@ -74,17 +142,20 @@ def train(side: str, lengths: list[int], seed: int, max_plans: int, state_path: 
         batch = batch_of(step, length)
         reset_peak_rss()
         torch.manual_seed(seed + step)  # dropout
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), cpu_seconds()
         # replayed: served at planned offsets in the arena (else the ordinary allocator: first visit, recording)
         replayed = compiled is not None and getattr(compiled.runner_for(batch), "replaying", True)
         loss = eager_step(batch) if compiled is None else compiled(batch)
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start
+        if compiled is not None and step == 0:  # compile_step planned the first shape: count it in step 0
+            seconds, cpu = seconds + compile_wall, cpu + compile_cpu
         row = {
             "step": step,
             "length": length,
             "peak_rss_bytes": peak_rss_bytes(),
             "rss_after_bytes": rss_bytes(),
             "seconds": seconds,
+            "cpu_seconds": cpu,
             "loss": float(loss),
             "replayed": replayed,
             "loss_hex": loss.float().numpy().tobytes().hex(),
@@ -92,6 +163,7 @@ def train(side: str, lengths: list[int], seed: int, max_plans: int, state_path: 
         if compiled is not None:
             row |= {
                 "plans_made": compiled.plans_made,
+                "plans_reused": compiled.plans_reused,
                 "plans_kept": len(compiled.runners),
                 "evictions": compiled.evictions,
                 "planning_seconds": compiled.planning_seconds,
@@ -101,13 +173,15 @@ def train(side: str, lengths: list[int], seed: int, max_plans: int, state_path: 
         rows.append(row)
         print(side, json.dumps({k: v for k, v in row.items() if k != "loss_hex"}), file=sys.stderr, flush=True)
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, state_path)
-    return {"side": side, "rows": rows}
+    return {"side": side, "rows": rows, "shape_log": compiled.shape_log if compiled is not None else []}
 
 
-def run_side(side: str, lengths: list[int], seed: int, max_plans: int, state_path: str) -> dict[str, Any]:
+def run_side(
+    side: str, lengths: list[int], seed: int, max_plans: int, state_path: str, options: dict[str, Any]
+) -> dict[str, Any]:
     context = multiprocessing.get_context("spawn")
     with context.Pool(1) as pool:
-        return pool.apply(train, (side, lengths, seed, max_plans, state_path))
+        return pool.apply(train, (side, lengths, seed, max_plans, state_path, options))
 
 
 def max_param_diff(a_path: str, b_path: str) -> float:
@@ -133,18 +207,22 @@ def report(args: argparse.Namespace, lengths: list[int], eager: dict, planned: d
     eager_seconds = sum(r["seconds"] for r in e_rows)
     memplan_seconds = sum(r["seconds"] for r in m_rows)
     command = " ".join(["python bench/varlen.py", *sys.argv[1:]])
+    model = "a Llama-style decoder (2 layers, hidden 256)" if args.model == "llama" else "GPT-2 (2 layers)"
+    dynamic = f", `dynamic={{1: {args.dynamic}}}`" if args.dynamic else ""
     lines = [
-        "# Variable-length batches: GPT-2 (2 layers), AdamW, batch 2 (CPU)",
+        f"# Variable-length batches: {model}, AdamW, batch {args.batch} (CPU)",
         "",
         f"Regenerate: `{command}`",
         "",
         f"{len(lengths)} steps over {len(set(lengths))} lengths ({', '.join(map(str, sorted(set(lengths))))} tokens) "
         f"in random order (seed {args.seed}); memplan: one `compile_step`, allocator `{planned['allocator']}`, "
-        f"`max_plans={args.max_plans}`. Each side in a fresh process of its own.",
+        f"`max_plans={args.max_plans}`{dynamic}. Each side in a fresh process of its own.",
         "",
         "| | eager | memplan |",
         "|---|---|---|",
         f"| peak RSS of any step | {mib(eager_peak)} | {mib(memplan_peak)} |",
+        f"| peak RSS of any step after the first (which creates AdamW's state) | "
+        f"{mib(max(r['peak_rss_bytes'] for r in e_rows[1:]))} | {mib(max(r['peak_rss_bytes'] for r in m_rows[1:]))} |",
         f"| peak RSS of a step at the longest length ({longest}) | {mib(eager_longest)} | "
         f"{mib(max(r['peak_rss_bytes'] for r in m_rows if r['length'] == longest))} |",
         f"| peak RSS of a step replayed in the arena / of one on the ordinary allocator | - | "
@@ -152,8 +230,10 @@ def report(args: argparse.Namespace, lengths: list[int], eager: dict, planned: d
         f"{mib(max((r['peak_rss_bytes'] for r in m_rows if not r['replayed']), default=0))} |",
         f"| RSS after the last step | {mib(e_rows[-1]['rss_after_bytes'])} | {mib(last['rss_after_bytes'])} |",
         f"| seconds, all steps (planning and recording included) | {eager_seconds:.1f} | {memplan_seconds:.1f} |",
+        *_cpu_rows(e_rows, m_rows),
         f"| plans made / kept at the end / evicted | - | {last['plans_made']} / {last['plans_kept']} / "
         f"{last['evictions']} |",
+        f"| shapes that reused a plan made for another (issue 37) | - | {last.get('plans_reused', 0)} |",
         f"| seconds spent planning (capture, order, placement) | - | {last['planning_seconds']:.1f} |",
         f"| largest shared arena held / times (re)allocated | - | {mib(max(r['arena_bytes'] for r in m_rows))} / "
         f"{last['arena_allocations']} |",
@@ -178,6 +258,9 @@ def report(args: argparse.Namespace, lengths: list[int], eager: dict, planned: d
             f"| {'yes' if m['replayed'] else 'no'} | {d} "
             f"| {m['plans_made']} | {m['seconds']:.2f} | {e['seconds']:.2f} |"
         )
+    lines += _shape_rows(planned.get("shape_log", []))
+    if m_rows[-1].get("plans_reused"):
+        return "\n".join([*lines, "", REUSE_NOTE]) + "\n"
     lines += [
         "",
         "RSS is the whole process: interpreter, torch's libraries, model, AdamW state, and for memplan its kept "
@@ -190,12 +273,53 @@ def report(args: argparse.Namespace, lengths: list[int], eager: dict, planned: d
     return "\n".join(lines) + "\n"
 
 
+REUSE_NOTE = (
+    "RSS is the whole process: interpreter, torch's libraries, model, AdamW state, and for memplan its kept "
+    "captures and plans and the one shared arena. Issue 37: every new length is still captured (two fake runs of "
+    "the step; the seconds in the table above), but a length whose program is the kept plan's with no larger "
+    "tensors reuses that plan's order and placement, validated for it, instead of being planned again "
+    "(`memplan.torch.run.shapes`); its first step runs under the light self-check when that program passed the "
+    "full one. With arena views a reused length runs planned from its first visit; with the planned allocator its "
+    "first visit (or two) runs on the ordinary allocator and is recorded, then served at the kept plan's offsets. "
+    "Seconds include compile_step's first plan (in step 0). Timings on a shared 2-core machine are noisy (its load "
+    "average was 7-13 during these runs): the CPU seconds are the steadier ratio; rerun on a quiet machine."
+)
+
+
+def _cpu_rows(e_rows: list[dict], m_rows: list[dict]) -> list[str]:
+    """CPU seconds (process and children) and the ratio of both clocks: on a shared machine the
+    CPU seconds are the steadier measure of the work done."""
+    if "cpu_seconds" not in e_rows[0]:
+        return []
+    e_cpu, m_cpu = sum(r["cpu_seconds"] for r in e_rows), sum(r["cpu_seconds"] for r in m_rows)
+    e_wall, m_wall = sum(r["seconds"] for r in e_rows), sum(r["seconds"] for r in m_rows)
+    return [
+        f"| CPU seconds, all steps (process and its children: solvers included) | {e_cpu:.1f} | {m_cpu:.1f} |",
+        f"| memplan / eager: wall seconds, CPU seconds | - | {m_wall / e_wall:.2f}x, {m_cpu / e_cpu:.2f}x |",
+    ]
+
+
+def _shape_rows(log: list[dict]) -> list[str]:
+    """Which plan each new shape used and what capture and planning cost it."""
+    if not log:
+        return []
+    lines = ["", "Which plan each new shape used (capture and planning seconds):", "", "| shape | plan | s |"]
+    lines.append("|---|---|---|")
+    lines += [f"| {r['shape']} | {r['plan']} | {r['seconds']:.2f} |" for r in log]
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-plans", type=int, default=8)
     parser.add_argument("--allocator", default="auto", choices=["auto", "replay", "views"])
+    parser.add_argument("--model", default=MODEL, choices=[MODEL, "llama"])
+    parser.add_argument("--batch", type=int, default=BATCH)
+    parser.add_argument("--lengths", default=None, help='"lo:hi:n" (n lengths from lo to hi) or "a,b,c"')
+    parser.add_argument("--per-length", type=int, default=0, help="run every length this many times (--steps unused)")
+    parser.add_argument("--dynamic", type=int, default=0, help="declare dynamic={1: N}: plan length N first")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "varlen.md"))
     parser.add_argument("--from-json", default=None, help="rebuild the table from a previous run's JSON")
     args = parser.parse_args()
@@ -203,16 +327,22 @@ def main() -> None:
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())
         lengths = [r["length"] for r in saved["eager"]["rows"]]
-        sys.argv = [sys.argv[0], *(["--steps", str(len(lengths))] if len(lengths) != 50 else [])]
+        if not args.lengths:  # a run of the default form: name its number of steps
+            sys.argv = [sys.argv[0], *(["--steps", str(len(lengths))] if len(lengths) != 50 else [])]
+        else:  # the flags given again with --from-json name the run (--from-json itself dropped)
+            at = sys.argv.index("--from-json")
+            sys.argv = sys.argv[:at] + sys.argv[at + 2 :]
+        saved["memplan"].setdefault("allocator", args.allocator)
         out.write_text(report(args, lengths, saved["eager"], saved["memplan"], saved["param_diff"]))
         return
-    lengths = length_order(args.steps, args.seed)
+    lengths = length_order(args.steps, args.seed, parse_lengths(args.lengths), args.per_length)
     from memplan.api import resolve_allocator
 
     allocator = resolve_allocator(args.allocator)
+    options = {"model": args.model, "batch": args.batch, "dynamic": args.dynamic}
     with tempfile.TemporaryDirectory() as tmp:
-        eager = run_side("eager", lengths, args.seed, args.max_plans, f"{tmp}/eager.pt")
-        planned = run_side(allocator, lengths, args.seed, args.max_plans, f"{tmp}/memplan.pt")
+        eager = run_side("eager", lengths, args.seed, args.max_plans, f"{tmp}/eager.pt", options)
+        planned = run_side(allocator, lengths, args.seed, args.max_plans, f"{tmp}/memplan.pt", options)
         planned["allocator"] = allocator
         param_diff = max_param_diff(f"{tmp}/eager.pt", f"{tmp}/memplan.pt")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,7 @@ ordinary objects.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -45,7 +46,9 @@ from memplan.torch.rss import release_free_memory
 from memplan.torch.run.allocator import alignment_for
 from memplan.torch.run.arena import LruCache, SharedArena
 from memplan.torch.run.interpreter import Plan, StepRunner, allocator_tensors, optimizer_update_groups
+from memplan.torch.run.plancache import StepCache, account_first_steps, open_plan_cache
 from memplan.torch.run.replay import ReplayedStep
+from memplan.torch.run.shapes import ShapeReplay, Template, check_dynamic, largest_batch, reuse_plan
 from memplan.torch.run.updates import check_optimizers
 
 StepFn = Callable[[Any], Any]
@@ -72,32 +75,82 @@ def plan_step(
     every allocation. ``recompute_copies`` runs a forward copy (``cat``, ``clone``) again in
     the backward where that lowers the peak: same bits, a copy's worth of time.
     """
-    if fn is None:
-        capture = capture_infer_step(model, batch)
-    else:
-        check_optimizers(optimizers, model)
-        capture = capture_step(
-            fn,
-            batch,
-            model=model,
-            optimizers=optimizers,
-            scaler=scaler,
-            schedulers=schedulers,
-            recompute_copies=recompute_copies,
-        )
-    groups = optimizer_update_groups(capture) if capture.mode == "train" else []
-    plan = in_child(  # the solvers' memory stays out of the training process
-        make_plan,
-        capture.graph,
-        time_limit_seconds=time_limit_seconds,
-        reorder=reorder,
-        atomic_groups=groups,
-        allocator_tensors=allocator_tensors(capture) if allocator == "views" else frozenset(),
-        alignment_bytes=alignment_for(model_device(model)),
+    capture = capture_for(
+        fn,
+        batch,
+        model=model,
+        optimizers=optimizers,
+        scaler=scaler,
+        schedulers=schedulers,
+        recompute_copies=recompute_copies,
     )
+    return capture, plan_capture(
+        capture, model, time_limit_seconds=time_limit_seconds, reorder=reorder, allocator=allocator
+    )
+
+
+def capture_for(
+    fn: StepFn | None,
+    batch: Any,
+    *,
+    model: torch.nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+    scaler: Any = None,
+    schedulers: Sequence[Any] = (),
+    recompute_copies: bool = True,
+) -> Capture:
+    """The capture of :func:`plan_step` (``fn=None``: inference), not planned."""
+    if fn is None:
+        return capture_infer_step(model, batch)
+    check_optimizers(optimizers, model)
+    return capture_step(
+        fn,
+        batch,
+        model=model,
+        optimizers=optimizers,
+        scaler=scaler,
+        schedulers=schedulers,
+        recompute_copies=recompute_copies,
+    )
+
+
+def plan_capture(
+    capture: Capture,
+    model: torch.nn.Module,
+    *,
+    time_limit_seconds: float = 10.0,
+    reorder: bool = True,
+    allocator: str = "views",
+    plan_cache: StepCache | None = None,
+    cache_options: dict[str, Any] | None = None,
+) -> MemoryPlan:
+    """The plan of :func:`plan_step` for a capture: order and placement, solved in a child;
+    with ``plan_cache`` (:mod:`memplan.torch.run.plancache`) a valid plan stored for this very
+    step is used instead (``cache_options``: what else its key holds)."""
+    groups = optimizer_update_groups(capture) if capture.mode == "train" else []
+    exclude = allocator_tensors(capture) if allocator == "views" else frozenset()
+    alignment = alignment_for(model_device(model))
+
+    def make() -> MemoryPlan:
+        return in_child(  # the solvers' memory stays out of the training process
+            make_plan,
+            capture.graph,
+            time_limit_seconds=time_limit_seconds,
+            reorder=reorder,
+            atomic_groups=groups,
+            allocator_tensors=exclude,
+            alignment_bytes=alignment,
+        )
+
+    if plan_cache is None:
+        plan = make()
+    else:
+        options = {"time_limit_seconds": time_limit_seconds, "reorder": reorder, "allocator": allocator}
+        options |= {"device": str(model_device(model)), **(cache_options or {})}
+        plan = plan_cache.plan(capture, options, make, groups, exclude, alignment)
     plan.report["recomputed_copies"] = list(capture.recomputed)
     plan.report["calls"] = [region.kind for region in capture.regions]
-    return capture, plan
+    return plan
 
 
 def optimize(
@@ -199,6 +252,8 @@ class CompiledStep:
         max_overhead: float | None = None,
         executor: str = "generated",
         max_plans: int = DEFAULT_MAX_PLANS,
+        dynamic: dict[int, int] | None = None,
+        plan_cache: bool | str | os.PathLike | None = None,
     ) -> None:
         refuse_unplanned_wrappers(model)  # FSDP, DDP, torch.compile: refused by name, before anything else
         self.executor = executor
@@ -237,6 +292,18 @@ class CompiledStep:
         self._kept: LruCache[tuple[StepRunner | ReplayedStep, MemoryPlan]] = LruCache(max_plans)
         self.plans_made = 0
         self.planning_seconds = 0.0  # capture and graph plan, for every shape (the placement of recorded steps too)
+        # plans on disk (memplan.torch.run.plancache); not under a budget, which depends on this machine's memory
+        budgeted = memory_budget is not None or max_overhead is not None
+        self.plan_cache: StepCache | None = None if budgeted else open_plan_cache(plan_cache)
+        # issue 37: shapes reuse a kept plan made for larger ones (run/shapes.py); ``dynamic``
+        # ({dimension: largest size}) plans the largest declared shape first
+        self.dynamic = check_dynamic(dynamic) if dynamic is not None else None
+        self._templates: list[Template] = []
+        self._matched: Template | None = None  # the template the latest new shape's program matched
+        self._checked: set[tuple] = set()  # templates whose program ran a full self-check
+        self._first_checks: dict[int, tuple[Any, tuple]] = {}  # runner -> (runner, template key)
+        self.plans_reused = 0
+        self.shape_log: list[dict[str, Any]] = []  # per new (shape, mode): which plan, what it cost
 
     @property
     def max_plans(self) -> int:
@@ -272,6 +339,13 @@ class CompiledStep:
 
     def __call__(self, batch: Any) -> Any:
         runner = self.runner_for(batch)
+        result = self._run(runner, batch)
+        first = self._first_checks.pop(id(runner), None)
+        if first is not None and first[0] is runner:  # its program passed the full self-check (issue 37)
+            self._checked.add(first[1])
+        return result
+
+    def _run(self, runner: StepRunner | ReplayedStep, batch: Any) -> Any:
         if not isinstance(runner, ReplayedStep):
             return runner(batch)
         was_replaying, placing_seconds = runner.replaying, runner.planning_seconds
@@ -291,22 +365,11 @@ class CompiledStep:
         kept = self._kept.get(key)
         if kept is None:
             start = time.perf_counter()
-            capture, plan = plan_step(
-                self.fn,
-                batch,
-                model=self.model,
-                optimizers=self.optimizers,
-                scaler=self.scaler,
-                schedulers=self.schedulers,
-                time_limit_seconds=self.time_limit_seconds,
-                reorder=self.reorder,
-                allocator=self.allocator,
-                recompute_copies=self.recompute_copies,
-            )
+            capture, plan = self._plan_shape(batch, key)
             if self.memory_budget is not None or self.max_overhead is not None:
                 runner: StepRunner | ReplayedStep = self._budget_runner(capture, plan, batch)
             elif self.allocator == "replay":
-                runner = ReplayedStep(
+                runner = ShapeReplay(
                     StepRunner(
                         capture,
                         Plan(tuple(plan.order)),
@@ -319,7 +382,12 @@ class CompiledStep:
                     arena=self.arena,
                     native=self._native,
                     schedulers=self.schedulers,
+                    candidates=lambda: self._replay_candidates(key),
+                    place_after=1,  # the first step recorded unobserved is placed (memplan.torch.run.replay)
+                    keep_observed=self.plan_cache is not None and self._native is None,
                 )
+                if self.plan_cache is not None and self._native is None:  # CUDA traces name streams by address
+                    self.plan_cache.attach(runner, plan)
             else:
                 self._unbind_views()  # the old block must have no other holder when it grows
                 arena = self.arena.reserve(plan.arena_bytes)
@@ -334,19 +402,119 @@ class CompiledStep:
                 )
             plan.report["allocator"] = self.allocator
             plan.report["allocator_reason"] = self.allocator_reason
+            self._check_once_per_program(runner)
             self._kept.put(key, (runner, plan))  # the evicted plans are dropped here
-            self.plans_made += 1
             self._fit_arena()
             release_free_memory()  # what capture and the solvers freed goes back to the OS
             self.planning_seconds += time.perf_counter() - start
+            account_first_steps(runner, plan, time.perf_counter() - start, capture.capture_seconds)
             kept = self._kept[key]
         return kept[0]
+
+    def _capture(self, batch: Any) -> Capture:
+        return capture_for(
+            self.fn,
+            batch,
+            model=self.model,
+            optimizers=self.optimizers,
+            scaler=self.scaler,
+            schedulers=self.schedulers,
+            recompute_copies=self.recompute_copies,
+        )
+
+    def _solve(self, capture: Capture, key: tuple) -> MemoryPlan:
+        """The solvers' plan for ``capture``, kept as a template other shapes may reuse."""
+        plan = plan_capture(
+            capture,
+            self.model,
+            time_limit_seconds=self.time_limit_seconds,
+            reorder=self.reorder,
+            allocator=self.allocator,
+            plan_cache=self.plan_cache,
+            cache_options={"recompute_copies": self.recompute_copies, "executor": self.executor, "key": key},
+        )
+        self.plans_made += 1
+        if self.memory_budget is None and self.max_overhead is None:
+            self._add_template(Template(capture, plan, *self._reuse_terms(capture), key))
+        return plan
+
+    def _reuse_terms(self, capture: Capture) -> tuple[frozenset[int], int]:
+        exclude = allocator_tensors(capture) if self.allocator == "views" else frozenset()
+        return frozenset(exclude), alignment_for(model_device(self.model))
+
+    def _plan_shape(self, batch: Any, key: tuple) -> tuple[Capture, MemoryPlan]:
+        """Capture this shape; reuse a template's plan where it is proven valid for it (issue 37,
+        :mod:`memplan.torch.run.shapes`), else plan it (first planning the declared largest shape
+        when ``dynamic`` was given and no template of this mode exists)."""
+        start = time.perf_counter()
+        budgeted = self.memory_budget is not None or self.max_overhead is not None
+        if self.dynamic is not None and not budgeted and not any(t.key[1] == key[1] for t in self._templates):
+            largest = largest_batch(batch, self.dynamic)
+            if largest is not None and shape_key(largest) != key[0]:
+                self._solve(self._capture(largest), (shape_key(largest), key[1]))
+        same = next((t for t in self._templates if t.key == key), None)
+        if same is not None and not budgeted:  # planned already (the declared largest shape): its capture holds
+            self._matched = same
+            self.plans_reused += 1
+            self._log(key, "the plan made for it", start)
+            return same.capture, same.plan
+        capture = self._capture(batch)
+        reasons = []
+        for template in [] if budgeted else reversed(self._templates):
+            if template.key[1] != key[1]:
+                continue
+            reused = reuse_plan(template, capture, self._reuse_terms(capture)[0])
+            if isinstance(reused, MemoryPlan):
+                self._matched = template
+                self.plans_reused += 1
+                self._log(key, f"reused the plan of {_shape_text(template.key)}", start)
+                return capture, reused
+            reasons.append(reused)
+        plan = self._solve(capture, key)
+        self._matched = next((t for t in self._templates if t.capture is capture), None)
+        why = "a memory budget" if budgeted else reasons[0] if reasons else "no plan of this mode yet"
+        self._log(key, f"planned ({why})", start)
+        return capture, plan
+
+    def _add_template(self, template: Template) -> None:
+        """Keep ``template``; drop the templates it covers (same program, no larger tensors)."""
+        self._templates = [
+            t
+            for t in self._templates
+            if t.key[1] != template.key[1]
+            or not isinstance(reuse_plan(template, t.capture, t.allocator_tensors), MemoryPlan)
+        ]
+        self._templates.append(template)
+        del self._templates[: -self.max_plans]
+
+    def _check_once_per_program(self, runner: StepRunner | ReplayedStep) -> None:
+        """The full self-check (writes and random draws observed) once per program: a shape that
+        reused the plan of a program that passed it runs its first step under the light one
+        (optimizer state and gradients), which leaves its allocations alone, so the planned
+        allocator can record that step and replay from the next (issue 37)."""
+        template, step = self._matched, runner.run if isinstance(runner, ReplayedStep) else runner
+        if template is None or not isinstance(step, StepRunner):
+            return
+        if template.key in self._checked and getattr(step, "_next_check", None) == "full":
+            step._next_check = "light"
+        else:
+            self._first_checks[id(runner)] = (runner, template.key)
+
+    def _replay_candidates(self, key: tuple) -> list[ReplayedStep]:
+        """The kept replayed steps of this mode whose placement a new shape may reuse, largest first."""
+        steps = [self._kept[k][0] for k in self._kept if k[1] == key[1] and k != key]
+        steps = [r for r in steps if isinstance(r, ReplayedStep)]
+        return sorted((r for r in steps if r.plan is not None), key=lambda r: -r.plan.arena_bytes)
+
+    def _log(self, key: tuple, how: str, start: float) -> None:
+        self.shape_log.append({"shape": _shape_text(key), "plan": how, "seconds": time.perf_counter() - start})
 
     def _fall_back_to_views(self, reason: str) -> None:
         """Give the planned allocator up (the step that found why ran on the ordinary allocator
         and was right): every plan is dropped, the next step plans with arena views."""
         self.allocator, self.allocator_reason, self._native = "views", f"{reason}; arena views from now on", None
         self._kept = LruCache(self.max_plans)
+        self._templates = []  # made for the planned allocator: other tensors in the arena
         self.arena.release()
 
     def _needed_arena_bytes(self) -> int:
@@ -431,6 +599,12 @@ class CompiledStep:
         return list(self.plans.values())[-1].report
 
 
+def _shape_text(key: tuple) -> str:
+    """A shape key as the shapes of its tensors, for reports."""
+    shapes = key[0][1] if isinstance(key[0], tuple) and len(key[0]) == 2 else ()
+    return " ".join("x".join(map(str, s[0])) for s in shapes if isinstance(s, tuple) and isinstance(s[0], tuple))
+
+
 def shape_key(batch: Any) -> tuple:
     """What a plan is made for: the batch's structure, each tensor's shape and dtype, and each
     other leaf's value (``None``, a flag), which the traced step has fixed."""
@@ -482,6 +656,8 @@ def compile(  # the name PyTorch users know (torch.compile)
     max_overhead: float | None = None,
     executor: str = "generated",
     max_plans: int = DEFAULT_MAX_PLANS,
+    dynamic: dict[int, int] | None = None,
+    plan_cache: bool | str | os.PathLike | None = None,
 ) -> CompiledStep | Callable[[StepFn], CompiledStep]:
     """Plan the whole step ``fn(batch)`` the user wrote: forward(s), ``backward()``, gradient
     clipping, gradient accumulation over micro-batches, autocast, ``optimizer.step()``,
@@ -514,6 +690,19 @@ def compile(  # the name PyTorch users know (torch.compile)
     eager's bit for bit. A budget no plan reaches raises ``InfeasibleBudget`` with the smallest
     peak there is; a step with a GradScaler or several optimizers is refused with a budget.
     ``train_step.report["budget"]`` says what was decided (method, planned peak, overhead).
+
+    A shape whose step runs the same ops as a kept plan's on tensors no larger reuses that
+    plan's order and placement, validated for it, instead of being planned again (issue 37;
+    ``shape_log`` says which plan each shape used); ``dynamic={1: 512}`` declares that batch
+    tensors grow up to 512 along dimension 1 and plans that largest shape first, so every
+    length up to it reuses one plan (the arena is sized once). Without a budget only.
+
+    ``plan_cache=True`` keeps plans on disk (``$MEMPLAN_CACHE_DIR``, else ``~/.cache/memplan``;
+    or give a folder), keyed by a hash of the captured step, the options and the code, so a
+    restarted process skips the solvers and the recordings: its first step replays. Entries are
+    validated on load and a replayed step is checked allocation by allocation; a stale or
+    corrupt entry is ignored with a warning and rewritten. ``report["first_steps"]`` says which
+    plan each shape used and what its first steps cost. Not under a memory budget.
     """
     optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     schedulers = list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler] if scheduler else []
@@ -536,6 +725,8 @@ def compile(  # the name PyTorch users know (torch.compile)
             max_overhead=max_overhead,
             executor=executor,
             max_plans=max_plans,
+            dynamic=dynamic,
+            plan_cache=plan_cache,
         )
 
     return build if fn is None else build(fn)
@@ -554,6 +745,8 @@ def compile_step(
     memory_budget: int | float | str | None = None,
     max_overhead: float | None = None,
     max_plans: int = DEFAULT_MAX_PLANS,
+    dynamic: dict[int, int] | None = None,
+    plan_cache: bool | str | os.PathLike | None = None,
 ) -> CompiledStep:
     """Plan ``loss = loss_fn(model(inputs), target); loss.backward(); optimizer.step();
     optimizer.zero_grad(set_to_none=True)`` for ``example_batch = (inputs, target)`` and return
@@ -573,6 +766,8 @@ def compile_step(
         memory_budget=memory_budget,
         max_overhead=max_overhead,
         max_plans=max_plans,
+        dynamic=dynamic,
+        plan_cache=plan_cache,
     )
     step.runner_for(example_batch)
     return step
