@@ -29,9 +29,10 @@ ordinary objects.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils import _pytree as pytree
 
@@ -50,6 +51,9 @@ from memplan.torch.run.plancache import StepCache, account_first_steps, open_pla
 from memplan.torch.run.replay import ReplayedStep
 from memplan.torch.run.shapes import ShapeReplay, Template, check_dynamic, largest_batch, reuse_plan
 from memplan.torch.run.updates import check_optimizers
+
+if TYPE_CHECKING:
+    from memplan.torch.distributed.fsdp_step import FsdpStep
 
 StepFn = Callable[[Any], Any]
 
@@ -747,14 +751,33 @@ def compile_step(
     max_plans: int = DEFAULT_MAX_PLANS,
     dynamic: dict[int, int] | None = None,
     plan_cache: bool | str | os.PathLike | None = None,
-) -> CompiledStep:
+) -> CompiledStep | FsdpStep:
     """Plan ``loss = loss_fn(model(inputs), target); loss.backward(); optimizer.step();
     optimizer.zero_grad(set_to_none=True)`` for ``example_batch = (inputs, target)`` and return
     it as a callable ``step(batch)``: the short form of :func:`compile`.
     ``recompute_copies=False`` keeps every forward copy instead of running it again in the
     backward (:mod:`memplan.torch.capture.recompute`). ``memory_budget`` (bytes, ``"2GiB"``, or
     a fraction of the checkpoint-all peak such as ``0.5``) and ``max_overhead`` (0.1: at most
-    10% more compute) rematerialise activations to fit, as in :func:`compile`."""
+    10% more compute) rematerialise activations to fit, as in :func:`compile`.
+    A model sharded with FSDP2's ``fully_shard`` is planned by
+    :func:`memplan.torch.distributed.compile_fsdp_step` (every rank calls this together)."""
+    if _is_fsdp2(model):
+        return _compile_fsdp2_step(
+            model,
+            optimizer,
+            loss_fn,
+            example_batch,
+            time_limit_seconds=time_limit_seconds,
+            reorder=reorder,
+            recompute_copies=recompute_copies,
+            unsupported={
+                "allocator": allocator != "auto",
+                "memory_budget": memory_budget is not None,
+                "max_overhead": max_overhead is not None,
+                "dynamic": dynamic is not None,
+                "plan_cache": bool(plan_cache),
+            },
+        )
     step = CompiledStep.of_loss(
         model,
         optimizer,
@@ -771,6 +794,32 @@ def compile_step(
     )
     step.runner_for(example_batch)
     return step
+
+
+def _is_fsdp2(model: torch.nn.Module) -> bool:
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # imported by whoever sharded the model
+    return fsdp is not None and isinstance(model, getattr(fsdp, "FSDPModule", ()))
+
+
+def _compile_fsdp2_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    example_batch: Any,
+    *,
+    unsupported: dict[str, bool],
+    **options: Any,
+) -> Any:
+    """An FSDP2 model's step, refused in one line for the options its planner does not take yet."""
+    given = [name for name, is_given in unsupported.items() if is_given]
+    if given:
+        raise MemplanError(
+            f"an FSDP2-sharded model's step does not take {', '.join(given)} yet; "
+            "call compile_step without it (FSDP2's collectives and shards are planned, remat on top is not)"
+        )
+    from memplan.torch.distributed import compile_fsdp_step
+
+    return compile_fsdp_step(model, optimizer, loss_fn, example_batch, **options)
 
 
 def compile_inference(

@@ -206,3 +206,17 @@ def test_memplan_run_fsdp_with_two_ranks(tmp_path) -> None:
         assert set(r["variants"]) == {"memplan", "fsdp2"}
         assert all(v["max_abs_diff"] == 0.0 for v in r["variants"].values())
         assert all(v["peak_bytes"] > 0 for v in r["variants"].values())
+
+
+def test_compile_step_plans_an_fsdp2_model_and_refuses_what_it_does_not_take(one_rank) -> None:
+    """``memplan.compile_step`` hands an FSDP2 model to compile_fsdp_step; a budget is refused in one line."""
+    import memplan
+    from memplan.errors import MemplanError
+    from memplan.torch.distributed import FsdpStep
+
+    model = fc.shard(fc.mlp(0, width=8, depth=1), 1)
+    step = memplan.compile_step(model, fc.adamw(model), fc.cross_entropy, fc.mlp_batch(0), time_limit_seconds=1.0)
+    assert isinstance(step, FsdpStep)
+    with pytest.raises(MemplanError, match=r"does not take memory_budget yet") as err:
+        memplan.compile_step(model, fc.adamw(model), fc.cross_entropy, fc.mlp_batch(0), memory_budget=0.5)
+    assert "\n" not in str(err.value)
