@@ -24,7 +24,11 @@ the same code (:mod:`memplan.remat.lower`).
 * Chen drop-cheap (Chen et al. 4.2, "drop the results of low cost operations"): drop the
   forward values that are cheapest to make per byte (batch norm, activations, pooling; a
   convolution's output is kept), recompute each once when the backward pass needs it; the
-  share dropped is searched like Chen's B.
+  share dropped is searched like Chen's B;
+* the greedy at the peak (:func:`peak_greedy`, not in :data:`BASELINES`: the first member of
+  :func:`memplan.remat.portfolio.solve_remat_in_order`): Chen's cost per byte applied only
+  where the lowered plan is over the budget, from checkpoint-all in the stage order given
+  (the reordered plan's), each move measured.
 
 In Chen's scheme a segment between checkpoints is recomputed once in the backward pass and
 then kept until its gradients are done (Chen Algorithm 1): here a segment "opens" the first
@@ -38,12 +42,13 @@ import heapq
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Set
+from dataclasses import dataclass
 
 from memplan.errors import InfeasibleBudget
 from memplan.remat.coarsen import SolverGraph, coarsen
 from memplan.remat.deadline import Deadline, TimeUp, cut_message, deadline_for, within
 from memplan.remat.lower import InvalidPlan, schedule_from_decisions, validate_sequence
-from memplan.remat.problem import RematProblem, RematSchedule, memory_floor
+from memplan.remat.problem import RematProblem, RematSchedule, Step, memory_floor
 
 Carry = Callable[[int, int], bool]
 """``carry(t, i)``: keep node ``i``'s value from stage ``t`` into stage ``t + 1``."""
@@ -910,6 +915,292 @@ def dtr_planned(problem: RematProblem) -> RematSchedule:
         return first  # over the budget: its lowest peak (a start for the CP model's phase 1), or cut
     why = f"dtr-planned: the simulation cannot fit some stage within {budget} B, nor at lower internal budgets"
     return RematSchedule("dtr-planned", budget, [], 0, 0.0, problem.plain_cost, "over-budget", message=why)
+
+
+PEAK_GREEDY = "peak-greedy"
+PEAK_GREEDY_SINGLES = 8
+"""Single moves :func:`peak_greedy` tries at a peak when the batch and its halves lower nothing."""
+PEAK_GREEDY_COVER = 0.5
+"""A batch of moves is meant to take this share of the peak's excess off (their bytes there, as
+estimated): moves interact, so the rest waits for the next lowering (the Llama of
+``bench/llama_budget.py`` at 1.7 GiB, no pruning: +31.0% of compute covering it all, +13.96% half)."""
+PEAK_GREEDY_SPREAD = 3.0
+"""A batch of moves holds only those at most this many times the cheapest's cost per byte: the
+dearer ones wait for the next peak, where cheaper ones may have come up."""
+PEAK_GREEDY_CLOSURE = 8
+"""At most this many nodes re-run together for one value (the value and the makers of its inputs)."""
+PEAK_GREEDY_PRUNES = 64
+"""Lowerings :func:`peak_greedy` spends at most taking needless re-runs out of its plan, within its
+time (the Llama of ``bench/llama_budget.py``, gradients held, reordered, at 1.7 GiB: +13.96% of
+compute without, +11.17% after 32 of them, +11.16% after 64)."""
+PEAK_GREEDY_CHUNK = 8
+"""... trying them in runs of this many."""
+PEAK_GREEDY_SMALLEST = 64
+"""Moves that take less than 1/this of the peak's excess off the peak are not made (they
+would take many rounds, each a lowering)."""
+
+
+@dataclass(slots=True)
+class _Instance:
+    """One instance of a tensor in a lowered plan: made by a run of ``node``, read by ``reads``."""
+
+    tensor: int
+    size: int
+    node: int
+    made: int
+    reads: list[int]
+
+    def last(self) -> int:
+        return self.reads[-1] if self.reads else self.made
+
+
+@dataclass
+class _Profile:
+    """A lowered plan's memory per run (with each op's workspace, as
+    :func:`memplan.remat.lower.sequence_peak_bytes` counts it), the stage of each run (a re-run
+    belongs to the stage of the next first run), and its tensor instances."""
+
+    mem: list[int]
+    stage: list[int]
+    instances: list[_Instance]
+    of_tensor: dict[int, list[_Instance]]
+
+    def before(self, t: int, run: int) -> _Instance | None:
+        """The instance of ``t`` made last before ``run``."""
+        made = [inst for inst in self.of_tensor.get(t, ()) if inst.made < run]
+        return made[-1] if made else None
+
+
+def _profile(problem: RematProblem, node_of: list[int], steps: list[Step]) -> _Profile:
+    graph, workspace = problem.graph, problem.workspace
+    tensors = graph.tensors
+    resident = graph.persistent_bytes
+    live: dict[int, _Instance] = {}
+    mem: list[int] = []
+    ops: list[int] = []
+    first: list[bool] = []
+    seen: set[int] = set()
+    instances: list[_Instance] = []
+    of_tensor: dict[int, list[_Instance]] = {}
+    for kind, i in steps:
+        if kind == "free":
+            gone = live.pop(i, None)
+            resident -= gone.size if gone is not None else 0
+            continue
+        run = len(mem)
+        for t in graph.ops[i].inputs:
+            if t in live:
+                live[t].reads.append(run)
+        for t in graph.ops[i].outputs:
+            if t not in live and not tensors[t].persistent:
+                live[t] = inst = _Instance(t, tensors[t].size_bytes, node_of[i], run, [])
+                instances.append(inst)
+                of_tensor.setdefault(t, []).append(inst)
+                resident += inst.size
+        mem.append(resident + (workspace[i] if workspace else 0))
+        ops.append(i)
+        first.append(i not in seen)
+        seen.add(i)
+    latest = -1  # a first run of a node before the latest stage (an unread first run dropped) is not a stage's
+    for run, v in enumerate(ops):
+        first[run] = first[run] and node_of[v] >= latest
+        latest = max(latest, node_of[v]) if first[run] else latest
+    stage = [0] * len(mem)
+    after = max(node_of, default=0)
+    for run in range(len(mem) - 1, -1, -1):
+        after = node_of[ops[run]] if first[run] else after
+        stage[run] = after
+    return _Profile(mem, stage, instances, of_tensor)
+
+
+class _PeakGreedy:
+    """:func:`peak_greedy`'s state: the decisions (Checkmate's ``R`` as rows) and the re-runs added."""
+
+    def __init__(self, problem: RematProblem, sg: SolverGraph, clock: Deadline) -> None:
+        self.problem, self.sg, self.clock = problem, sg, clock
+        graph = problem.graph
+        self.node_of = [0] * len(graph.ops)
+        for k, group in enumerate(sg.groups):
+            for v in group:
+                self.node_of[v] = k
+        self.needs: list[tuple[int, ...]] = []  # per node: the bytes its re-run reads from outside it
+        for group in sg.groups:
+            own = {t for v in group for t in graph.ops[v].outputs}
+            reads = {t for v in group for t in graph.ops[v].inputs if t not in own}
+            self.needs.append(
+                tuple(t for t in sorted(reads) if graph.tensors[t].size_bytes and not graph.tensors[t].persistent)
+            )
+        self.rows: list[list[int]] = [[t] for t in range(sg.size)]
+        self.added: list[tuple[int, int]] = []  # (stage, node), in the order added
+        self.plan = self.measure()
+        self.profile = _profile(problem, self.node_of, self.plan.steps)
+
+    def measure(self) -> RematSchedule:
+        return schedule_from_decisions(self.problem, self.sg, self.rows, PEAK_GREEDY, "heuristic")
+
+    def excess(self, profile: _Profile) -> tuple[int, int]:
+        """(peak, bytes over the budget summed over the runs): what each move must lower."""
+        budget = self.problem.budget_bytes
+        return max(profile.mem, default=0), sum(m - budget for m in profile.mem if m > budget)
+
+    def candidates(self, profile: _Profile) -> list[tuple[float, int, int, tuple[int, ...]]]:
+        """(compute per byte-run of excess removed, bytes removed at the peak, stage, node), the
+        cheapest first: node ``k``'s values live across the peak run (not read there) dropped
+        from their last read before it to the stage ``j`` of their next reader, where ``k``
+        re-runs, less what keeping ``k``'s inputs until then adds (Chen et al.'s cost per byte,
+        counted over the runs above the budget)."""
+        sg, budget = self.sg, self.problem.budget_bytes
+        mem, stage = profile.mem, profile.stage
+        peak = max(range(len(mem)), key=mem.__getitem__)
+        over = [max(0, m - budget) for m in mem]
+        need = mem[peak] - budget
+        moves: dict[tuple[int, int], list[_Instance]] = {}
+        for inst in profile.instances:
+            k = inst.node
+            if not inst.size or inst.made >= peak or not sg.recomputable(k):
+                continue
+            later = bisect.bisect_right(inst.reads, peak)
+            if later == len(inst.reads) or (later and inst.reads[later - 1] == peak):
+                continue
+            j = stage[inst.reads[later]]
+            if j > stage[peak] and sg.may_run(j, k) and k not in self.rows[j]:
+                moves.setdefault((j, k), []).append(inst)
+        out = []
+        for (j, k), dropped in moves.items():
+            at = bisect.bisect_left(stage, j)  # where stage j's runs begin
+            saved = at_peak = 0
+            for inst in dropped:
+                since = inst.reads[bisect.bisect_right(inst.reads, peak) - 1] if inst.reads[0] < peak else inst.made
+                saved += sum(min(inst.size, x) for x in over[since + 1 : at])
+                at_peak += inst.size
+            nodes, lost, lost_at_peak = self.closure(profile, over, j, k, at, peak)
+            saved -= lost
+            at_peak -= lost_at_peak
+            if saved > 0 and at_peak * PEAK_GREEDY_SMALLEST >= need:
+                cost = sum(sg.cost[n] for n in nodes)
+                out.append(((cost + 1e-9) / saved, at_peak, j, tuple(sorted(nodes))))
+        return sorted(out)
+
+    def closure(
+        self, profile: _Profile, over: list[int], j: int, k: int, at: int, peak: int
+    ) -> tuple[set[int], int, int]:
+        """The nodes to re-run in stage ``j`` for ``k``'s re-run (``k``, and the makers of
+        its inputs that are gone by then where keeping them until then would cost bytes
+        over the budget and they may re-run then, recursively, as Checkmate's baselines fill
+        ``R``), with what keeping the other inputs costs: byte-runs over the budget, bytes at the peak."""
+        sg = self.sg
+        nodes, stack = {k}, [k]
+        lost = lost_at_peak = 0
+        while stack:
+            n = stack.pop()
+            for t in self.needs[n]:
+                kept = profile.before(t, at)
+                if kept is None or kept.last() >= at or kept.node in nodes:
+                    continue
+                cost = sum(min(kept.size, x) for x in over[kept.last() + 1 : at])
+                p = kept.node
+                if cost and len(nodes) < PEAK_GREEDY_CLOSURE and sg.may_run(j, p) and p not in self.rows[j]:
+                    nodes.add(p)
+                    stack.append(p)
+                    continue
+                lost += cost
+                lost_at_peak += kept.size if kept.last() < peak else 0
+        return nodes, lost, lost_at_peak
+
+    def apply(self, moves: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Add the re-runs ``moves`` (stage, node) not there yet; returns those added."""
+        added = []
+        for j, k in moves:
+            if k not in self.rows[j]:
+                self.rows[j] = sorted([*self.rows[j], k])
+                self.added.append((j, k))
+                added.append((j, k))
+        return added
+
+    def undo(self, moves: list[tuple[int, int]]) -> None:
+        for j, k in moves:
+            self.rows[j].remove(k)
+            self.added.remove((j, k))
+
+    def attempt(self, moves: list[tuple[int, int]], better: Callable[[RematSchedule, _Profile], bool]) -> bool:
+        """Apply ``moves`` and keep them if ``better(plan, profile)``."""
+        added = self.apply(moves)
+        try:
+            plan = self.measure()
+        except InvalidPlan:
+            self.undo(added)
+            return False
+        profile = _profile(self.problem, self.node_of, plan.steps)
+        if better(plan, profile):
+            self.plan, self.profile = plan, profile
+            return True
+        self.undo(added)
+        return False
+
+    def step(self) -> bool:
+        """One move at the peak: the cheapest values that cover its excess at once (else the
+        first half of them, and so on, else a few single ones) when that lowers (peak,
+        excess); False when none does."""
+        before = self.excess(self.profile)
+        options = self.candidates(self.profile)
+        need = before[0] - self.problem.budget_bytes
+        batch: list[tuple[int, int]] = []
+        covered = 0
+        for score, at_peak, j, nodes in options:
+            if covered >= PEAK_GREEDY_COVER * need or score > PEAK_GREEDY_SPREAD * options[0][0]:
+                break
+            batch += [(j, n) for n in nodes]
+            covered += at_peak
+        tries = []
+        while batch:
+            tries.append(batch)
+            batch = batch[: len(batch) // 2]
+        tries += [[(j, n) for n in nodes] for _s, _b, j, nodes in options[1 : 1 + PEAK_GREEDY_SINGLES]]
+        for moves in tries:
+            if self.clock.expired():
+                return False
+            if self.attempt(moves, lambda _plan, profile: self.excess(profile) < before):
+                return True
+        return False
+
+    def prune(self) -> None:
+        """Take out the re-runs the plan fits without, the dearest first: a run of them at
+        once, else each half, and so on, at most :data:`PEAK_GREEDY_PRUNES` tries (each a lowering)."""
+        budget = self.problem.budget_bytes
+        dearest = sorted(self.added, key=lambda move: -self.sg.cost[move[1]])
+        chunks = [dearest[n : n + PEAK_GREEDY_CHUNK] for n in range(0, len(dearest), PEAK_GREEDY_CHUNK)][::-1]
+        for _ in range(PEAK_GREEDY_PRUNES):
+            if not chunks or self.clock.expired():
+                return
+            chunk = chunks.pop()
+            self.undo(chunk)
+            if self.attempt([], lambda plan, _profile: plan.peak_bytes <= budget):
+                continue
+            self.apply(chunk)
+            if len(chunk) > 1:
+                chunks += [chunk[len(chunk) // 2 :], chunk[: len(chunk) // 2]]
+
+
+def peak_greedy(problem: RematProblem) -> RematSchedule:
+    """Chen et al.'s greedy (drop what is cheapest to make again per byte, 4.2-4.3) applied where
+    the step is over the budget, in the stage order as it is: from checkpoint-all (over a graph
+    listed in a reordered order, the reordered plan), while the lowered plan's peak is over the
+    budget, the values live across the peak run that are cheapest per byte-run of excess they
+    remove are dropped there and re-run at their next reader's stage (Checkmate's ``R``), as
+    many at once as cover the peak's excess, each move measured by the one estimator; then the
+    re-runs the plan fits without are taken out again. No split is needed: any graph. Near a
+    reordered plan that is just over the budget it needs a few moves where the other baselines
+    start from program order's peak."""
+    clock = deadline_for(problem.time_limit_seconds)
+    sg = solver_graph(problem)
+    search = _PeakGreedy(problem, sg, clock)
+    while search.plan.peak_bytes > problem.budget_bytes and not clock.expired():
+        if not search.step():
+            break
+    cut = search.plan.peak_bytes > problem.budget_bytes and clock.expired()
+    if search.plan.peak_bytes <= problem.budget_bytes:
+        search.prune()
+    return _pick(problem, sg, PEAK_GREEDY, [search.rows], clock=clock, total=1, cut=cut)
 
 
 BASELINES: dict[str, Callable[[RematProblem], RematSchedule]] = {

@@ -7,7 +7,8 @@ The portfolio runs, within one time limit, and keeps the cheapest plan that fits
    (:func:`memplan.remat.bounds.drop_cover_bound`), the first bound on the compute;
 2. every **baseline** of :mod:`memplan.remat.baselines` on the whole graph (Chen's, Griewank's,
    AP, linearized, Chen's drop-cheap, DTR), within a share of the time: plans in seconds, and
-   the warm starts of the solvers;
+   the warm starts of the solvers (:func:`solve_remat_in_order`, stages in the reordered plan's
+   order, runs :func:`memplan.remat.baselines.peak_greedy` first);
 3. the **stage cuts' relaxation** (:func:`memplan.remat.moccasin.stage_cut_relaxation`: re-run
    flags per node and stage window, the memory at each first run covered by what is re-run
    after it and what those re-runs read before their readers' windows close; its LP, then a
@@ -50,10 +51,11 @@ model's: those with at most ``runs_per_node`` runs of each node).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+from memplan.graph.check import validate_order
 from memplan.graph.ir import Graph
-from memplan.remat.baselines import BASELINES, baseline_deadline
+from memplan.remat.baselines import BASELINES, baseline_deadline, peak_greedy
 from memplan.remat.bounds import SCOPE as COVER_SCOPE
 from memplan.remat.bounds import drop_cover_bound
 from memplan.remat.coarsen import SolverGraph, coarsen
@@ -74,7 +76,7 @@ from memplan.remat.moccasin import (
     solve_restricted,
     stage_cut_relaxation,
 )
-from memplan.remat.problem import RematProblem, RematSchedule, memory_floor
+from memplan.remat.problem import RematProblem, RematSchedule, default_costs, memory_floor
 
 WHOLE = 10**9
 """``max_solver_nodes`` that keeps every unit: the whole graph (0-byte ops ride with the op before)."""
@@ -109,7 +111,10 @@ BASELINE_ORDER = (
 )
 """The baselines, the most useful first: DTR's plan is the cheapest on most of the zoo and
 takes tenths of a second; once a plan is proven within the gap limit, those after
-:data:`ALWAYS_RUN` are skipped."""
+:data:`ALWAYS_RUN` are skipped. The greedy at the peak (:func:`memplan.remat.baselines.peak_greedy`)
+runs only as the ``lead`` of :func:`solve_remat_in_order`, from the reordered plan."""
+LEAD_SHARE = 0.35
+"""The share of the time the ``lead`` baseline of :func:`solve_remat` may use (before the others)."""
 ALWAYS_RUN = ("checkpoint-all", "dtr", "chen-drop-cheap", "dtr-planned")
 """The baselines that run even once a plan is proven within the gap limit: at most about a
 second together, and one of them has the cheapest plan on most of the zoo's budgets."""
@@ -184,6 +189,7 @@ def solve_remat(
     gap_limit: float = GAP_LIMIT,
     reorder: bool = False,
     progress: Progress | None = None,
+    lead: Callable[[RematProblem], RematSchedule] | None = None,
 ) -> RematSchedule:
     """The cheapest plan for ``graph`` within ``budget_bytes`` that the portfolio finds in
     ``time_limit_seconds`` (see the module docstring).
@@ -194,7 +200,9 @@ def solve_remat(
     op ids), ``status`` and ``gap`` as above, ``details["attempts"]`` what each part of the
     portfolio found. ``cost``/``workspace``: per op, as in :class:`RematProblem`. ``reorder``:
     the CP model may run an op first later than program order (joint recomputation and
-    reordering, see :func:`memplan.remat.moccasin.solve_moccasin`).
+    reordering, see :func:`memplan.remat.moccasin.solve_moccasin`). ``lead``: a baseline run
+    before the others, with up to :data:`LEAD_SHARE` of the time (:func:`solve_remat_in_order`:
+    :func:`memplan.remat.baselines.peak_greedy`, from the reordered plan).
 
     ``gap_limit`` (default :data:`GAP_LIMIT`, 0.1%): the stopping rule of MIP solvers. The
     portfolio stops, and calls off the members still to run, as soon as its plan is proven
@@ -232,6 +240,7 @@ def solve_remat(
         )
         return _no_plan(problem, "infeasible", why, start, {"floor_bytes": floor.bytes})
     run = _Portfolio(problem, start, gap_limit, report, formulations, reorder, clock.end)
+    run.lead = lead
     with within(clock), ticking(progress, lambda: stage[0], run.state):
         _solve(run, runs_per_node)
     return run.result(floor.bytes)
@@ -299,6 +308,7 @@ class _Portfolio:
         self.searched = False  # the neighbourhood search ran (and may have used the time)
         self.cut_milp: CutMilp | None = None  # HiGHS on the stage cuts with reader windows, running
         self.cut_milp_began = 0.0
+        self.lead: Callable[[RematProblem], RematSchedule] | None = None  # run first, with LEAD_SHARE of the time
 
     def left(self) -> float:
         return self.end - time.perf_counter()
@@ -363,6 +373,13 @@ class _Portfolio:
         and some plan is in hand: on a slow or loaded machine a baseline that fits is not skipped
         for time while the step would otherwise be refused for want of a plan."""
         self.report("baselines")
+        if self.lead is not None:
+            began = time.perf_counter()
+            with within(Deadline(began, min(self.end, began + LEAD_SHARE * self.problem.time_limit_seconds))):
+                plan = self.lead(self.problem)
+            self.offer(plan, plan.strategy, self.whole)
+            self.lowest = _lower_peak(self.lowest, plan)
+            self.attempts.append(_attempt(plan.strategy, plan, time.perf_counter() - began, self.whole.size))
         deadline = min(self.start + BASELINE_SHARE * self.problem.time_limit_seconds, self.end)
         for name in BASELINE_ORDER:
             if name not in ALWAYS_RUN and self.proven():
@@ -677,6 +694,8 @@ class _Portfolio:
             "bound": self.bound,
             "timeline": self.timeline,
         }
+        if self.lowest is not None:
+            details["lowest_peak_bytes"] = self.lowest.peak_bytes  # a plan that runs, over the budget or not
         if self.best is None:
             proofs = [a for a in self.attempts if a.get("status") == "infeasible"]
             if proofs:
@@ -745,6 +764,97 @@ def _no_plan(problem: RematProblem, status: str, why: str, start: float, details
         message=why,
         details=details,
     )
+
+
+def solve_remat_in_order(
+    graph: Graph,
+    order: Sequence[int] | None,
+    budget_bytes: int,
+    time_limit_seconds: float = 60.0,
+    *,
+    cost: tuple[float, ...] = (),
+    workspace: tuple[int, ...] = (),
+    workers: int = 2,
+    reorder: bool = False,
+    progress: Progress | None = None,
+) -> RematSchedule:
+    """:func:`solve_remat` with the stages in ``order`` (a topological order of ``graph``'s ops,
+    e.g. the reordered plan's, OLLA's lifetime optimisation) instead of program order: the
+    first runs keep that order, so checkpoint-all is the reordered plan and every baseline, bound
+    and search starts from it (:func:`memplan.remat.baselines.peak_greedy` only has to take the
+    reordered peak down to the budget). The plan's steps name ``graph``'s ops (validated on it);
+    ``details["stage_order"]`` says which order the stages kept.
+
+    A memory floor is a bound only for the plans whose first runs keep its order: the answer is
+    "infeasible" only when the budget is below the floor in ``order`` *and* in program order
+    (``details["floor_bytes"]``: the lower of the two); where only ``order``'s floor proves
+    nothing fits, the portfolio runs again in program order."""
+    program = list(range(len(graph.ops)))
+    if order is None or list(order) == program:
+        plan = solve_remat(
+            graph,
+            budget_bytes,
+            time_limit_seconds,
+            cost=cost,
+            workspace=workspace,
+            workers=workers,
+            reorder=reorder,
+            progress=progress,
+        )
+        plan.details["stage_order"] = "program"
+        return plan
+    validate_order(graph, order)
+    staged = Graph(tuple(graph.ops[v] for v in order), graph.tensors, graph.name, dict(graph.meta))
+    cost = tuple(cost or default_costs(graph))
+    plan = solve_remat(
+        staged,
+        budget_bytes,
+        time_limit_seconds,
+        cost=tuple(cost[v] for v in order),
+        workspace=tuple(workspace[v] for v in order) if workspace else (),
+        workers=workers,
+        reorder=reorder,
+        progress=progress,
+        lead=peak_greedy,
+    )
+    plan.steps = [(kind, int(order[i]) if kind == "run" else i) for kind, i in plan.steps]
+    plan.details["stage_order"] = "reordered"
+    if "groups" in plan.details:
+        plan.details["groups"] = tuple(tuple(int(order[v]) for v in group) for group in plan.details["groups"])  # type: ignore[union-attr]
+    if plan.steps:
+        validate_sequence(graph, plan.steps)
+        return plan
+    floor = memory_floor(RematProblem(graph, int(budget_bytes), cost, workspace=workspace)).bytes
+    staged_floor = int(plan.details.get("floor_bytes") or floor)  # type: ignore[call-overload]
+    plan.details["floor_bytes"] = min(floor, staged_floor)
+    if plan.status == "infeasible" and budget_bytes < floor and "lowest_peak_bytes" not in plan.details:
+        # proven at once by the floors: the greedy at the floor names a peak a plan reaches (the advice)
+        near = RematProblem(
+            staged,
+            max(int(budget_bytes), staged_floor),
+            tuple(cost[v] for v in order),
+            LEAD_SHARE * time_limit_seconds,
+            workers,
+            WHOLE,
+            tuple(workspace[v] for v in order) if workspace else (),
+        )
+        lowest = peak_greedy(near)
+        if lowest.steps:
+            plan.details["lowest_peak_bytes"] = lowest.peak_bytes
+    if plan.status == "infeasible" and budget_bytes >= floor:
+        again = solve_remat(
+            graph,
+            budget_bytes,
+            time_limit_seconds,
+            cost=cost,
+            workspace=workspace,
+            workers=workers,
+            reorder=reorder,
+            progress=progress,
+        )
+        again.details["stage_order"] = "program (no plan keeps the reordered order: its memory floor)"
+        return again
+    return plan
 
 
 def moccasin_strategy(problem: RematProblem) -> RematSchedule:

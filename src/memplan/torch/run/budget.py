@@ -21,6 +21,14 @@ A recompute runs the same kernel on the same inputs, and random ops are never re
 (:data:`memplan.remat.problem.RANDOM_KIND_MARKERS`), so numerics equal eager's bit for bit.
 A budget below every plan raises :class:`memplan.errors.InfeasibleBudget` in one line, with
 the smallest peak there is; a step the remat runner cannot run is refused in one line.
+
+Two things make the budget hold at LLM sizes (issue 33, ``bench/llama_budget.py``): every peak
+is counted as the runtime holds memory, each gradient until its optimizer call ends
+(:func:`held_graph`; the Llama's 125 MiB lm_head gradient was the whole gap between the
+reordered plan's 1.69 GiB and its placed 1.81 GiB), and remat keeps the reordered plan's stage order
+(:func:`memplan.remat.portfolio.solve_remat_in_order`): checkpoint-all is then the reordered plan,
+and the greedy at the peak (:func:`memplan.remat.baselines.peak_greedy`) takes it down to the
+budget, where in program order the search started from checkpoint-all's 1.99 GiB instead of 1.81 GiB.
 ``memory_budget="fit"`` is the limit of the process (:mod:`memplan.torch.run.fit`).
 
 The budget holds from the first call (issue 33), not only once the step replays: the kernels'
@@ -39,11 +47,12 @@ import copy
 import re
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from memplan.errors import InfeasibleBudget, MemplanError
+from memplan.graph.liveness import peak_bytes
 from memplan.isolate import in_child
 from memplan.report.format import format_bytes
 from memplan.torch.capture import Capture
@@ -156,6 +165,7 @@ class _SolveContext:
     reorder: bool
     time_limit_seconds: float
     max_overhead: float | None
+    order: tuple[int, ...] | None = None  # the stage order of the remat solves (the reordered plan's)
 
 
 def plan_budget(
@@ -229,8 +239,10 @@ def _plan_budget(
     from memplan.remat.baselines import checkpoint_all
     from memplan.remat.problem import RematProblem, is_random
 
-    graph = capture.graph
+    graph = held_graph(capture)
     reorder = joint_reorder and not any(is_random(op.kind) for op in graph.ops)
+    if plain_order is not None:  # the reordered plan's peak as the runtime holds memory (see held_graph)
+        plain_peak_bytes += peak_bytes(graph, plain_order) - peak_bytes(capture.graph, plain_order)
 
     def budget_for(reference_bytes: int) -> int | None:
         if fit_bytes is not None:
@@ -247,7 +259,8 @@ def _plan_budget(
     reference = checkpoint_all(RematProblem(graph, 10**18, workspace=workspace)).peak_bytes
     budget_bytes = budget_for(reference)
     scratch = max(workspace, default=0)
-    context = _SolveContext(graph, tuple(workspace), reference, reorder, time_limit_seconds, max_overhead)
+    order = None if plain_order is None else tuple(plain_order)
+    context = _SolveContext(graph, tuple(workspace), reference, reorder, time_limit_seconds, max_overhead, order)
     report: dict[str, Any] = {
         "memory_budget": memory_budget,
         "budget_bytes": budget_bytes,
@@ -272,6 +285,59 @@ def _plan_budget(
     return _solve_within(context, report, budget_bytes, plain_peak_bytes + scratch, schedule=reuse)
 
 
+def held_graph(capture: Capture) -> Any:
+    """``capture.graph`` as the budget path plans it, as the runtime runs it:
+
+    * an update group runs as one call of the user's optimizer with the gradients set as
+      ``.grad`` for the whole call (:meth:`memplan.torch.run.interpreter.StepRunner._update_with`),
+      so what a group reads from outside it (its gradients) stays resident until its last op,
+      not only until its last traced read (AdamW reads a gradient in ``lerp_`` and ``addcmul_``,
+      then allocates ``sqrt`` and ``div`` as large as the parameter while the call still holds
+      it): each such tensor is made an input of every op of the group. The Llama of
+      ``bench/llama_budget.py``: the lm_head's 125 MiB gradient, the whole gap between the
+      reordered plan's live bytes (1.69 GiB) and its placed arena (1.81 GiB), which the
+      placement had packed optimally;
+    * an op PyTorch tags ``nondeterministic_seeded`` (it may draw from the generator: CPU
+      ``_scaled_dot_product_flash_attention_for_cpu``, for its dropout) is random to the
+      self-check (:mod:`memplan.torch.run.selfcheck`), which refuses a step that runs it more
+      often than eager; the remat core knows random ops by their kind
+      (:data:`memplan.remat.problem.RANDOM_KIND_MARKERS`), so its kind is marked
+      :data:`RANDOM_KIND_SUFFIX` here: it is never recomputed (the Llama at 1.75 GiB was refused
+      after a plan recomputed its attention)."""
+    from memplan.graph.ir import Graph
+    from memplan.remat.problem import is_random
+    from memplan.torch.run.interpreter import optimizer_update_groups
+    from memplan.torch.tensors import is_random as seeded
+
+    graph = capture.graph
+    ops = list(graph.ops)
+    targets = {node.name: node.target for node in capture.gm.graph.nodes if node.op == "call_function"}
+    for v, name in enumerate(capture.node_of_op):
+        if name in targets and seeded(targets[name]) and not is_random(ops[v].kind):
+            ops[v] = replace(ops[v], kind=ops[v].kind + RANDOM_KIND_SUFFIX)
+    groups = optimizer_update_groups(capture) if capture.mode == "train" else []
+    for group in groups:
+        made = {t for v in group for t in graph.ops[v].outputs}
+        held = dict.fromkeys(
+            t
+            for v in group
+            for t in graph.ops[v].inputs
+            if t not in made and graph.tensors[t].size_bytes and not graph.tensors[t].persistent
+        )
+        for v in group:
+            extra = tuple(t for t in held if t not in ops[v].inputs)
+            if extra:
+                ops[v] = replace(ops[v], inputs=ops[v].inputs + extra)
+    if tuple(ops) == graph.ops:
+        return graph
+    return Graph(tuple(ops), graph.tensors, graph.name, dict(graph.meta))
+
+
+RANDOM_KIND_SUFFIX = " (random: tagged nondeterministic_seeded)"
+"""Appended by :func:`held_graph` to the kind of an op PyTorch tags ``nondeterministic_seeded``:
+its "random" makes :func:`memplan.remat.problem.is_random` see it."""
+
+
 @dataclass(frozen=True)
 class _OrderProbe:
     """The reordered plan's steps, when it fits: the workspace is measured running it."""
@@ -292,12 +358,14 @@ def _probe_plan(
     workspace): the reordered plan where it fits, else the remat portfolio's plan without
     workspace; ``None`` (program order) without a budget or an order. A budget that no plan
     reaches even without workspace raises :class:`InfeasibleBudget` now, before any step runs."""
-    from memplan.remat import solve_remat
     from memplan.remat.lower import steps_for_order
+    from memplan.remat.portfolio import solve_remat_in_order
 
     if budget_bytes is None or (plain_order is not None and plain_peak_bytes <= budget_bytes):
         return None if plain_order is None else _OrderProbe(steps_for_order(graph, plain_order))
-    schedule = in_child(solve_remat, graph, budget_bytes, time_limit_seconds, workspace=(), reorder=reorder)
+    schedule = in_child(
+        solve_remat_in_order, graph, plain_order, budget_bytes, time_limit_seconds, workspace=(), reorder=reorder
+    )
     if not schedule.feasible:
         reference = _checkpoint_all_peak(graph)
         raise InfeasibleBudget(
@@ -354,13 +422,14 @@ def _solve_within(
     plan's peak, run instead when the plan recomputes nothing and it fits (``None``: never).
     ``schedule``: a plan already solved for this budget (then no solve). ``runnable_bytes``: a
     placed peak known to run, for a refusal's advice."""
-    from memplan.remat import solve_remat
+    from memplan.remat.portfolio import solve_remat_in_order
 
     graph, budget_bytes = context.graph, report["budget_bytes"]
     if schedule is None:
         schedule = in_child(
-            solve_remat,
+            solve_remat_in_order,
             graph,
+            context.order,
             solve_bytes,
             context.time_limit_seconds,
             workspace=context.workspace,
@@ -408,6 +477,7 @@ def _decided(
             "gap": schedule.gap,
             "from": schedule.details.get("from"),
             "joint_reorder": context.reorder,
+            "stage_order": schedule.details.get("stage_order", "program"),
             "solve_seconds": round(schedule.seconds, 3),
             "recomputed_ops": recomputed,
         },
@@ -509,6 +579,10 @@ class BudgetedReplay(ReplayedStep):
         )
         self.report["placed_peak_bytes"] = placed
         if budget is None or placed <= budget:
+            # what the allocator may keep cached beyond the placed step: the budget's headroom
+            # (the planned CUDA allocator's cache bound; the CPU one caches nothing of its own)
+            held = None if budget is None else self.native.hold_cache_within(budget, placed)
+            self.report["cache_bound_bytes"] = held
             return
         self.plan = self.placement = self._previous = None
         self.shared.release()
@@ -550,6 +624,8 @@ def _infeasible_message(
     problem = RematProblem(graph, budget_bytes, workspace=workspace)
     plans = run_baselines(problem, BASELINES, min(10.0, 0.1 * time_limit_seconds))
     reached = [p.peak_bytes for p in plans.values() if p.steps]
+    found = schedule.details.get("lowest_peak_bytes")  # the solve's lowest plan (in its stage order)
+    reached += [int(found)] if found else []
     lowest = min([reference, *reached, *([] if reordered_bytes is None else [reordered_bytes])])
     floor = int(schedule.details.get("floor_bytes") or 0)
     proof = "no plan exists (proven)" if schedule.status == "infeasible" else "no plan found in the time limit"
@@ -577,13 +653,27 @@ def warn_unmeasured_device(model: torch.nn.Module) -> None:
     kernels' scratch is not measured there, and PyTorch's caching allocator, which serves the
     step unless the planned CUDA allocator is installed, is not held to the plan."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    if device.type != "cpu":
+    if device.type == "cuda" and _planned_cuda_allocator():
+        warnings.warn(
+            "memory_budget on cuda: planned without the kernels' workspace; the planned CUDA allocator's recorded "
+            "steps carry it, so the replayed steps are held to the budget (placement re-planned with the excess, "
+            "the cache bounded by the headroom), but the first, recording steps may exceed it",
+            stacklevel=4,
+        )
+    elif device.type != "cpu":
         warnings.warn(
             f"memory_budget on {device.type}: planned without the kernels' workspace, and PyTorch's caching "
             "allocator is not held to the plan; the measured peak can exceed the budget (an H100 measured "
             "MobileNet-v2 at 1.07x it allocated, 2.0x reserved: bench/results/cuda_budget.md)",
             stacklevel=4,
         )
+
+
+def _planned_cuda_allocator() -> bool:
+    """True when the planned CUDA allocator is installed (then a step on the GPU is replayed)."""
+    from memplan.torch.run import cuda_allocator
+
+    return cuda_allocator.installed()
 
 
 def measure_op_workspace(
