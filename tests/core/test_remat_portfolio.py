@@ -702,10 +702,12 @@ def test_the_portfolio_is_never_worse_than_a_baseline(seed: int) -> None:
             assert plan.gap is not None and 0 <= plan.gap <= 1
 
 
-@pytest.mark.parametrize("seed", [2, 8])
+@pytest.mark.parametrize("seed", [3, 8])
 def test_the_portfolio_stops_at_its_gap_limit_and_says_feasible(seed: int) -> None:
     """With a loose gap limit the portfolio stops after the baselines (no solver runs), says
-    "feasible" with a gap, and the gap holds against the proven optimum (gap limit 0)."""
+    "feasible" with a gap, and the gap holds against the proven optimum (gap limit 0). (Seed 2
+    was here until the exact per-stage cover proved its baseline plan optimal outright; seed 3's
+    baseline plan costs 131 against the optimum's 128.)"""
     rng = random.Random(seed)
     graph = fwd_bwd_chain([rng.randint(10, 90) for _ in range(8)], [rng.randint(1, 9) for _ in range(8)])
     budget = int(checkpoint_all(RematProblem(graph, 10**9)).peak_bytes * 0.75)
