@@ -13,6 +13,7 @@ from memplan.errors import MemplanError
 from memplan.torch.equivalence import differences, snapshot
 from memplan.torch.loops import FEATURES, Batch, LoopModel, _setup, gpt2, mlp
 from memplan.torch.run.allocator import available as allocator_available
+from memplan.torch.run.codegen import generate
 from memplan.torch.run.interpreter import StepRunner
 
 MLP = mlp(width=64, batch=8)
@@ -112,6 +113,11 @@ def test_generated_and_interpreted_steps_give_the_same_bits(spec, feature, alloc
     assert all(getattr(ins, "fetch", None) is None for ins in runner.instructions)
     # the same ops wrote the same bytes in the same places
     assert runner.stats == _runner(interpreted).stats
+    # the interpreter's bits, with ops through their proven Python bindings (issue 34); the
+    # executor before it (every op through OpOverload._op) writes the same statistics
+    assert "_bind" in runner.generated_step().source
+    boxed = generate(runner, direct=False)
+    assert "_bind" not in boxed.source and boxed.static_stats == runner.generated_step().static_stats
 
 
 @pytest.mark.parametrize("allocator", ["replay"])
@@ -170,3 +176,63 @@ def test_consecutive_updates_run_as_one_optimizer_step(allocator):
         assert _update_calls(runner) < updates  # the batch-norm's weight and bias are ready at one op
     else:
         assert _update_calls(runner) == updates
+
+
+def _traced_ops(fn, *args) -> list:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    return [n for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _real(value, tensors):
+    return tensors[value.name] if isinstance(value, torch.fx.Node) else value
+
+
+def test_an_op_is_called_through_its_python_binding_only_where_that_makes_the_same_call():
+    """Issue 34: a proven binding (``torch.convolution``, ``Tensor.add_``) makes the op's own
+    call (same op, same arguments: the same bits as ``OpOverload._op``); an op whose binding
+    would dispatch another overload (``torch.div(x, 2.0)`` is ``div.Tensor``, not ``div.Scalar``)
+    or that has none (``threshold_backward``) keeps ``_op``."""
+    from memplan.torch.run.codegen import _direct_binding
+
+    aten = torch.ops.aten
+
+    def step(x, w, b):
+        y = aten.convolution.default(x, w, b, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+        r = aten.relu.default(y)
+        g = aten.threshold_backward.default(r, y, 0)
+        s = aten.div.Scalar(g, 2.0)
+        t = aten.add.Tensor(s, r, alpha=2)
+        return aten.add_.Tensor(t, 1.5), aten.mean.dim(t, [2, 3], True)
+
+    g = torch.Generator().manual_seed(0)
+    inputs = (torch.randn(2, 3, 8, 8, generator=g), torch.randn(4, 3, 3, 3, generator=g), torch.randn(4, generator=g))
+    nodes = _traced_ops(step, *inputs)
+    bound = {n.target: _direct_binding(n.target, n, {}) for n in nodes}
+    assert bound[torch.ops.aten.convolution.default] is torch._C._VariableFunctions.convolution
+    assert bound[torch.ops.aten.div.Scalar] is None and bound[torch.ops.aten.threshold_backward.default] is None
+    assert bound[torch.ops.aten.add_.Tensor] is torch._C.TensorBase.add_
+    assert sum(b is not None for b in bound.values()) >= 4
+    values = {}
+    placeholders = [n for n in next(iter(nodes)).graph.nodes if n.op == "placeholder"]
+    values.update({p.name: x for p, x in zip(placeholders, inputs, strict=True)})
+    for node in nodes:  # each op run both ways on the same inputs: the same bits
+        args = [_real(a, values) for a in node.args]
+        kwargs = {k: _real(v, values) for k, v in node.kwargs.items()}
+        via_op = node.target._op(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
+        if bound[node.target] is not None:
+            via_binding = bound[node.target](*[a.clone() if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
+            assert torch.equal(via_binding, via_op), node.target
+        values[node.name] = node.target._op(*args, **kwargs)
+
+
+def test_the_update_matcher_finds_the_tensors_pytree_finds_in_the_same_order():
+    from memplan.torch.run.interpreter import _tensors_in
+    from memplan.torch.tensors import tensor_leaves
+
+    a, b, c, d = (torch.zeros(i + 1) for i in range(4))
+    value = ((a, 1.0, [b, None, (c,)]), {"out": d, "alpha": 2})
+    found: list = []
+    _tensors_in(value, found)
+    assert [id(t) for t in found] == [id(t) for t in tensor_leaves(value)] == [id(a), id(b), id(c), id(d)]

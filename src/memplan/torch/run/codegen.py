@@ -12,16 +12,26 @@ a call of the runner's own method (updates with no op between them as one call: 
 per op, no interpreter around it. The interpreter stays the reference; generated and
 interpreted steps run the same kernels in the same order on the same storages, so they give
 the same bits (tested in tests/torch/test_codegen.py).
+
+Each op is called through PyTorch's own Python binding of its ATen function (``torch.add``,
+``Tensor.add_``: one argument parse, an unboxed call into the dispatcher) where that binding is
+proven, once per argument signature, to make exactly the op's call with the same arguments
+(:func:`_direct_binding`); otherwise through ``OpOverload._op``, which builds a boxed stack
+from the schema on every call (issue 34: a small ``add`` took 5.1 us through ``_op`` against
+3.5 us through ``torch.add``, a small convolution 26 against 17 us, on the CI's CPU; eager's
+backward runs in C++ without either cost). Backward ops have no Python binding: they stay boxed.
 """
 
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch.fx
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 import torch
 
@@ -46,8 +56,10 @@ class GeneratedStep:
 class _Writer:
     """Builds the source: names of locals, constants bound into the function's globals."""
 
-    def __init__(self, runner: Any) -> None:
+    def __init__(self, runner: Any, direct: bool = True) -> None:
         self.runner = runner
+        self.direct = direct  # call ops through their proven Python bindings (_direct_binding)
+        self.bindings: dict[Any, Any] = {}  # _call_signature -> the binding proven for it, or None
         self.globals: dict[str, Any] = {"_runner_cls": type(runner)}
         self.lines: list[str] = []
         self.local: dict[str, str] = {}  # fx node name -> local variable holding its value
@@ -101,11 +113,13 @@ class _Writer:
         self.lines.append("    " + line)
 
 
-def generate(runner: Any) -> GeneratedStep:
-    """Write ``runner``'s instructions as one function (see the module docstring)."""
+def generate(runner: Any, *, direct: bool = True) -> GeneratedStep:
+    """Write ``runner``'s instructions as one function (see the module docstring). ``direct``:
+    each op through its proven Python binding where it has one (``False``: every op through
+    ``OpOverload._op``, the same kernels; kept to measure the difference, bench/step_overhead.py)."""
     from memplan.torch.run.interpreter import RunHook, StepRunner, _Update
 
-    w = _Writer(runner)
+    w = _Writer(runner, direct)
     stats: dict[str, Any] = {"out_bytes": 0, "allocator_bytes": 0, "max_scratch_bytes": 0, "inplace_bytes": 0}
     env_names = _env_names(runner)
     for name in env_names:
@@ -208,9 +222,154 @@ def _env_names(runner: Any) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _kernel(w: _Writer, op: Any) -> str:
-    """The op's C++ entry (``OpOverload._op``): the same dispatcher call, one Python frame less."""
+def _kernel(w: _Writer, op: Any, node: torch.fx.Node | None = None, extra: dict[str, Any] | None = None) -> str:
+    """The callable of ``op`` called with ``node``'s arguments (and ``extra`` keyword arguments:
+    out= views, given as their fake values): its proven Python binding where ``w.direct`` and
+    one exists (:func:`_direct_binding`), else its C++ entry ``OpOverload._op`` (the same
+    dispatcher call as ``op(...)``, one Python frame less)."""
+    if w.direct and node is not None and isinstance(op, torch._ops.OpOverload):
+        key = _call_signature(op, node, extra)
+        if key not in w.bindings:
+            w.bindings[key] = _direct_binding(op, node, extra or {})
+        binding = w.bindings[key]
+        if binding is not None:
+            return w.constant(binding, "bind")
     return w.constant(getattr(op, "_op", op), "op")
+
+
+# PyTorch's generated bindings of ATen functions (PythonArgParser, then an unboxed call)
+_BINDING_HOMES = ("_VariableFunctions", "_nn", "_linalg", "_special", "_fft")
+
+
+def _candidate_bindings(op: torch._ops.OpOverload) -> Iterator[Callable[..., Any]]:
+    """The Python bindings named after ``op``'s function: ``torch.<name>`` and its namespaces,
+    then the method ``Tensor.<name>`` (called unbound, ``self`` first)."""
+    namespace, _, name = op._schema.name.partition("::")
+    if namespace != "aten":
+        return
+    for home in _BINDING_HOMES:
+        binding = getattr(getattr(torch._C, home, None), name, None)
+        if callable(binding):
+            yield binding
+    method = getattr(torch._C.TensorBase, name, None)
+    if callable(method):
+        yield method
+
+
+def _direct_binding(op: torch._ops.OpOverload, node: torch.fx.Node, extra: dict[str, Any]) -> Any:
+    """A Python binding that, called with ``node``'s arguments, makes exactly one dispatcher
+    call: ``op`` with the arguments ``op._op`` passes (tensors the same objects, every other
+    value of the same type and value), and returns that call's result as it is; None if no
+    binding is proven so. The proof runs both on meta tensors under a recording dispatch mode,
+    so the kernels, their order and their arguments stay those of the plan (no other mode sees
+    it: the self-check's observer may be active while the first step generates its code)."""
+    with _disable_current_modes(), torch.no_grad():
+        try:
+            args, kwargs = _meta_call_args(node, extra)
+            reference = _recorded(op._op, args, kwargs)
+        except Exception:  # no meta value or meta kernel: the op keeps its boxed call
+            return None
+        if reference is None or reference[0][0] is not op:
+            return None
+        for binding in _candidate_bindings(op):
+            try:
+                candidate = _recorded(binding, args, kwargs)
+            except Exception:  # this binding has no signature for these arguments
+                continue
+            if candidate is not None and _same_call(candidate, reference):
+                return binding
+    return None
+
+
+class _Recorder(TorchDispatchMode):
+    """Records every op that reaches the Python dispatch key, and runs it (on meta tensors)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[Any, tuple, dict[str, Any], Any]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        self.calls.append((func, args, kwargs, result))
+        return result
+
+
+def _recorded(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, Any] | None:
+    """(the one op ``fn(*args, **kwargs)`` dispatched, what ``fn`` returned); None when it
+    dispatched any other number of ops."""
+    with _Recorder() as recorder:
+        returned = fn(*args, **kwargs)
+    return (recorder.calls[0], returned) if len(recorder.calls) == 1 else None
+
+
+def _same_call(candidate: tuple[tuple, Any], reference: tuple[tuple, Any]) -> bool:
+    (func, args, kwargs, result), returned = candidate
+    (ref_func, ref_args, ref_kwargs, ref_result), ref_returned = reference
+    return (
+        func is ref_func
+        and _same_value(args, ref_args)
+        and _same_value(kwargs, ref_kwargs)
+        and _same_value(returned, result)  # the binding hands back the op's own result
+        and _same_value(ref_returned, ref_result)
+    )
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """The very same tensors; every other value of the same type and equal (1 is not 1.0)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+def _meta_call_args(node: torch.fx.Node, extra: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """``node``'s arguments (and ``extra``) with every tensor a meta tensor of its layout, one
+    per fx value (a value passed twice is the same meta tensor twice)."""
+    made: dict[int, torch.Tensor] = {}
+
+    def meta(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if id(value) not in made:
+            made[id(value)] = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+        return made[id(value)]
+
+    def fake(n: torch.fx.Node) -> Any:
+        if "val" not in n.meta:
+            raise LookupError(n.name)
+        return pytree.tree_map(meta, n.meta["val"])
+
+    args = pytree.tree_map_only(torch.fx.Node, fake, tuple(node.args))
+    kwargs = pytree.tree_map_only(torch.fx.Node, fake, dict(node.kwargs))
+    kwargs.update(pytree.tree_map(meta, extra))
+    return args, kwargs
+
+
+def _call_signature(op: Any, node: torch.fx.Node, extra: dict[str, Any] | None) -> Any:
+    """What decides which overload a binding's argument parser picks: each argument's Python
+    type and, where it is not a tensor, its value (a binding proven for one signature is proven
+    for every call with it)."""
+
+    def shape(value: Any) -> Any:
+        if isinstance(value, torch.fx.Node):
+            return ("node", shape(value.meta.get("val")))
+        if isinstance(value, (list, tuple)):
+            return (type(value), tuple(shape(v) for v in value))
+        if isinstance(value, dict):
+            return (dict, tuple((k, shape(v)) for k, v in value.items()))
+        return _leaf_kind(value)
+
+    return (op, shape(tuple(node.args)), shape({**node.kwargs, **(extra or {})}))
+
+
+def _leaf_kind(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, value.dim())
+    return (type(value), repr(value))
 
 
 def _store(w: _Writer, node: torch.fx.Node, expr: str) -> None:
@@ -245,7 +404,8 @@ def _plain_call(w: _Writer, ins: Any, stats: dict[str, Any]) -> None:
     if ins.strategy == "inplace":
         into = w.expr(node.args[ins.inplace_arg])
         stats["inplace_bytes"] += ins.fresh[0].meta.untyped_storage().nbytes()
-        _store(w, node, f"{_kernel(w, ins.out_op)}({w.call_args(node, {ins.out_names[0]: into})})")
+        out = {ins.out_names[0]: node.args[ins.inplace_arg].meta.get("val")}
+        _store(w, node, f"{_kernel(w, ins.out_op, node, out)}({w.call_args(node, {ins.out_names[0]: into})})")
         return
     if ins.strategy == "kernel":
         meta = ins.fresh[0].meta
@@ -256,7 +416,7 @@ def _plain_call(w: _Writer, ins: Any, stats: dict[str, Any]) -> None:
         write = w.constant(ARENA_KERNELS[node.target._schema.name].write, "write")
         w.emit(f"{write}({w.local[node.name]}, {w.call_args(node)})")
         return
-    _store(w, node, f"{_kernel(w, node.target)}({w.call_args(node)})")
+    _store(w, node, f"{_kernel(w, node.target, node)}({w.call_args(node)})")
 
 
 def _planned_call(w: _Writer, ins: Any, stats: dict[str, Any]) -> None:
@@ -276,7 +436,7 @@ def _planned_call(w: _Writer, ins: Any, stats: dict[str, Any]) -> None:
     stats["max_scratch_bytes"] = max(stats["max_scratch_bytes"], _scratch_bytes(ins, _meta_args(runner, node)))
     if ins.strategy == "plain":
         stats["allocator_bytes"] += sum(_nbytes(o) for o in ins.fresh)
-        _store(w, node, f"{_kernel(w, node.target)}({w.call_args(node)})")
+        _store(w, node, f"{_kernel(w, node.target, node)}({w.call_args(node)})")
         return
     views = {o.index: w.constant(runner._view(o), "view") for o in ins.fresh if o.offset is not None}
     stats["out_bytes"] += sum(_nbytes(o) for o in ins.fresh if o.offset is not None)
@@ -288,7 +448,8 @@ def _planned_call(w: _Writer, ins: Any, stats: dict[str, Any]) -> None:
         _store(w, node, views[ins.fresh[0].index])
     else:  # "out": every output fresh and planned
         outs = {name: views[o.index] for name, o in zip(ins.out_names, ins.fresh, strict=True)}
-        w.emit(f"{_kernel(w, ins.out_op)}({w.call_args(node, outs)})")
+        metas = {name: o.meta for name, o in zip(ins.out_names, ins.fresh, strict=True)}
+        w.emit(f"{_kernel(w, ins.out_op, node, metas)}({w.call_args(node, outs)})")
         value = node.meta.get("val")
         if isinstance(value, torch.Tensor):
             _store(w, node, views[0])

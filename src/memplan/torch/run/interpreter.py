@@ -19,6 +19,7 @@ import contextlib
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 import torch.fx
@@ -82,6 +83,12 @@ class _Call:
     out_names: tuple[str, ...] = ()
     fetch: Callable[[dict[str, Any]], Any] | None = None  # env -> (args, kwargs), see _fetcher
     inplace_arg: int = -1  # "inplace": the argument whose dying storage the result is written into
+
+    @cached_property
+    def traced_layouts(self) -> tuple[tuple[torch.Size, torch.dtype], ...]:
+        """Shape and dtype of each tensor argument as traced (read on every replayed optimizer
+        op, :func:`_same_call`: computed once, not per step)."""
+        return tuple((t.shape, t.dtype) for a in _arg_nodes(self.node) for t in tensor_leaves(a.meta.get("val")))
 
 
 @dataclass(frozen=True)
@@ -559,7 +566,7 @@ class _ReplayIntoArena(TorchDispatchMode):
             if self.next < len(self.traced) and self.traced[self.next].node.target is func:
                 self.next += 1
             return func(*args, **kwargs)
-        if self.next < len(self.traced) and _same_call(self.traced[self.next].node, func, args, kwargs):
+        if self.next < len(self.traced) and _same_call(self.traced[self.next], func, args, kwargs):
             ins = self.traced[self.next]
             self.next += 1
             return self.runner._place_call(ins, func, args, kwargs)
@@ -572,16 +579,31 @@ class _ReplayIntoArena(TorchDispatchMode):
         return result
 
 
-def _same_call(node: torch.fx.Node, func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+def _same_call(traced: _Call, func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
     """The real call is the traced one: same op, and tensor arguments of the same shapes and
     dtypes, in the same places."""
-    if node.target is not func:
+    if traced.node.target is not func:
         return False
-    real = tensor_leaves((args, kwargs))
-    traced = [v for a in _arg_nodes(node) for v in tensor_leaves(a.meta.get("val"))]
-    return len(real) == len(traced) and all(
-        r.shape == t.shape and r.dtype == t.dtype for r, t in zip(real, traced, strict=True)
+    real: list[torch.Tensor] = []
+    _tensors_in((args, kwargs), real)
+    layouts = traced.traced_layouts
+    return len(real) == len(layouts) and all(
+        r.shape == shape and r.dtype == dtype for r, (shape, dtype) in zip(real, layouts, strict=True)
     )
+
+
+def _tensors_in(value: Any, found: list[torch.Tensor]) -> None:
+    """The tensors in an op's arguments, in :func:`tensor_leaves`'s order (tuples, lists and
+    dicts are all an ATen call's arguments hold), without pytree's generic walk: this runs for
+    every op of every replayed optimizer update."""
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _tensors_in(item, found)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _tensors_in(item, found)
 
 
 # ---------------------------------------------------------------------- helpers

@@ -1,0 +1,300 @@
+"""Host time per step: memplan's replayed step against eager PyTorch, and where it goes (issue 34).
+
+On a GPU eager's ops are launched asynchronously and its backward runs in C++ (autograd's engine),
+so a step is as fast as the device unless the host's time per op is larger than the kernel's.
+memplan runs every op, backward included, from one generated Python function
+(``memplan.torch.run.codegen``): its host time per op is what this bench measures, on the CPU,
+where it shows as step time when the kernels are small (batch 1, small models).
+
+For each zoo model and batch, one process (Adam, the classic step, ``torch.set_num_threads``
+``--threads``, one by default, so the figure is the per-op cost and not a share of a busy
+machine's cores) builds eager's and memplan's step from the same weights, warms both up (6
+steps: the self-check, the recordings, the first replays), then interleaves ``--steps`` rounds of
+four steps: eager, memplan as before issue 34 (``boxed``: every op through ``OpOverload._op``,
+and with arena views each replayed optimizer op matched by pytree walks,
+:func:`_same_call_before`), eager, memplan as now (``bound``: each op through its proven Python
+binding, ``codegen.generate(direct=True)``, and the matcher's traced side computed once). Eager
+and memplan reseed the RNG alike before each step, so after the rounds both models must hold
+the same bits (checked: *bit-identical*). Step times are the thread's CPU time (one torch
+thread: the host's work, not stretched by other jobs), medians. Then three steps of each under
+``torch.profiler`` give the wall time outside the top-level ATen ops (those of
+``optimizer.step()`` included): on a GPU, host time that launches no kernel, which eager's
+asynchronous launches hide only while it is below the kernels' time. The profiler adds its own
+cost to every op, and ``OpOverload._op`` unboxes its arguments partly inside the op's event:
+compare eager with memplan there, and boxed with bound by the CPU times.
+
+The machine may be shared and busy (a 2-core CI box with other jobs): the seconds are noisy,
+compare the ratios within one row.
+
+    python bench/step_overhead.py                                  # writes bench/results/step_overhead.md
+    python bench/step_overhead.py --models mobilenet-v2 resnet50 --batches 1 --allocator views \
+        --out bench/results/step_overhead_views.md                  # arena views (a GPU's default path)
+    python bench/step_overhead.py --models mlp lstm --batches 1 --steps 10 --out /tmp/step_overhead.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ("mlp", "lstm", "mobilenet-v2", "resnet50", "gpt2-2l")
+BATCHES = (1, 8)
+WARMUP = 6
+PROFILED = 3
+SIDES = ("eager", "boxed", "bound")
+DEFAULT_OUT = ROOT / "bench" / "results" / "step_overhead.md"
+
+
+def child(model_name: str, batch: int, steps: int, threads: int, allocator: str, out: Path) -> None:
+    """One process: eager and memplan (both executors) on ``model_name``; writes what it measured."""
+    import memplan.api  # OR-Tools before torch's extensions
+    import torch
+    from memplan.torch.compare import _eager_step
+    from memplan.torch.run import codegen, interpreter
+    from memplan.torch.zoo import build_workload, make_optimizer
+
+    torch.set_num_threads(threads)
+    w = build_workload(model_name, batch, seed=0)
+    eager_model = copy.deepcopy(w.model)
+    opt, eager_opt = make_optimizer("adam", w.model.parameters()), make_optimizer("adam", eager_model.parameters())
+    memplan_step = memplan.api.standard_step(w.model, opt, w.loss_fn)
+    step = memplan.api.CompiledStep(memplan_step, w.model, [opt], allocator=allocator)
+    data = (w.inputs, w.target)
+    seed = 0
+
+    def pair(memplan_step: Any) -> tuple[tuple[float, float], tuple[float, float]]:
+        nonlocal seed
+        seed += 1
+        torch.manual_seed(seed)
+        eager_seconds = _timed(lambda: _eager_step(w, eager_model, eager_opt))
+        torch.manual_seed(seed)
+        return eager_seconds, _timed(lambda: memplan_step(data))
+
+    for _ in range(WARMUP):
+        pair(step)
+    runner = step.runner_for(data)
+    base = getattr(runner, "run", runner)
+    programs = {"boxed": codegen.generate(base, direct=False), "bound": codegen.generate(base)}
+
+    same_call = {"boxed": _same_call_before, "bound": interpreter._same_call}
+
+    def with_program(name: str) -> Any:
+        def run(batch_: Any) -> Any:
+            base._generated = programs[name]
+            interpreter._same_call = same_call[name]
+            return step(batch_)
+
+        return run
+
+    seconds: dict[str, list[tuple[float, float]]] = {side: [] for side in SIDES}
+    for _ in range(steps):
+        for name in ("boxed", "bound"):
+            eager_s, memplan_s = pair(with_program(name))
+            seconds["eager"].append(eager_s)
+            seconds[name].append(memplan_s)
+    same = all(torch.equal(a, b) for a, b in zip(_state(w.model), _state(eager_model), strict=True))
+    profile = {"eager": _profiled(lambda: _eager_step(w, eager_model, eager_opt))}
+    for name in ("boxed", "bound"):
+        run = with_program(name)
+        profile[name] = _profiled(lambda run=run: run(data))
+    result = {
+        "model": model_name,
+        "batch": batch,
+        "threads": threads,
+        "allocator": step.allocator,
+        "steps": steps,
+        "cpu_seconds": {side: statistics.median(cpu for cpu, _ in t) for side, t in seconds.items()},
+        "wall_seconds": {side: statistics.median(wall for _, wall in t) for side, t in seconds.items()},
+        "bit_identical": same,
+        "op_calls": _op_calls(programs["bound"].source),
+        "profile": profile,
+    }
+    out.write_text(json.dumps(result, indent=1))
+
+
+def _same_call_before(traced: Any, func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+    """``interpreter._same_call`` before issue 34 (the *boxed* side): both argument trees walked
+    with pytree on every replayed optimizer op (arena views only; the same answer)."""
+    from memplan.torch.run.interpreter import _arg_nodes
+    from memplan.torch.tensors import tensor_leaves
+
+    node = traced.node
+    if node.target is not func:
+        return False
+    real = tensor_leaves((args, kwargs))
+    traced_leaves = [v for a in _arg_nodes(node) for v in tensor_leaves(a.meta.get("val"))]
+    return len(real) == len(traced_leaves) and all(
+        r.shape == t.shape and r.dtype == t.dtype for r, t in zip(real, traced_leaves, strict=True)
+    )
+
+
+def _op_calls(source: str) -> tuple[int, int]:
+    """(calls through a proven binding, calls through ``OpOverload._op``) in a generated step."""
+    return len(re.findall(r"\b_bind\d+\(", source)), len(re.findall(r"\b_op\d+\(", source))
+
+
+def _timed(fn: Any) -> tuple[float, float]:
+    """(this thread's CPU seconds, wall seconds) of ``fn()``: the CPU time is the host's work,
+    unlike the wall time not stretched by other jobs on a shared machine (one torch thread)."""
+    cpu, wall = time.thread_time(), time.perf_counter()
+    fn()
+    return time.thread_time() - cpu, time.perf_counter() - wall
+
+
+def _state(model: Any) -> list[Any]:
+    return [*model.parameters(), *model.buffers()]
+
+
+def _profiled(run: Any) -> dict[str, float]:
+    """Medians over ``PROFILED`` steps of ``run`` under the profiler (see the module docstring)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rows = []
+    for _ in range(PROFILED):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            wall = _timed(run)[1]
+        rows.append(_split(prof.events(), wall))
+    return {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+
+
+def _split(events: Any, wall: float) -> dict[str, float]:
+    """One profiled step's wall time split into the top-level ATen ops (those of
+    ``optimizer.step()`` included: on a GPU, kernels) and the host time outside them."""
+    optimizer = [e for e in events if e.name.startswith("Optimizer.step#")]
+    ops = [e for e in events if e.name.startswith("aten::") and not _nested(e)]
+    op_s = sum(e.time_range.elapsed_us() for e in ops) / 1e6
+    outside = max(wall - op_s, 0.0)
+    return {
+        "wall_s": wall,
+        "ops": len(ops),
+        "ops_s": op_s,
+        "optimizer_calls": len(optimizer),
+        "outside_ops_s": outside,
+        "outside_us_per_op": outside / max(len(ops), 1) * 1e6,
+    }
+
+
+def _nested(event: Any) -> bool:
+    """Inside another ATen op (its own work, not a call the host makes)."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def parent(models: list[str], batches: list[int], steps: int, threads: int, allocator: str, out: Path) -> None:
+    rows: list[dict[str, Any]] = []
+    for model in models:
+        for batch in batches:
+            with tempfile.TemporaryDirectory() as folder:
+                target = Path(folder) / "row.json"
+                options = map(str, (batch, steps, threads, allocator, target))
+                command = [sys.executable, __file__, "--child", model, *options]
+                done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+                if done.returncode != 0 or not target.exists():
+                    tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+                    rows.append({"model": model, "batch": batch, "failed": tail[0]})
+                else:
+                    rows.append(json.loads(target.read_text()))
+            print(_row(rows[-1]), flush=True)
+            out.write_text(_markdown(rows, models, batches, steps, threads, allocator, out))
+            out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+
+
+HEADER = (
+    "| model | batch | ops bound / boxed | eager ms | memplan ms, boxed | memplan ms, bound | ratio boxed "
+    "| ratio bound | wall ratio bound | outside ops ms eager / boxed / bound | us/op eager / boxed / bound "
+    "| optimizer.step() calls eager / memplan | bit-identical |\n"
+    "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|---|---|"
+)
+
+
+def _row(r: dict[str, Any]) -> str:
+    if "failed" in r:
+        return f"| {r['model']} | {r['batch']} | failed: {r['failed']} |" + " |" * 10
+    s, wall, p = r["cpu_seconds"], r["wall_seconds"], r["profile"]
+    outside = " / ".join(f"{p[side]['outside_ops_s'] * 1e3:.1f}" for side in SIDES)
+    per_op = " / ".join(f"{p[side]['outside_us_per_op']:.1f}" for side in SIDES)
+    return (
+        f"| {r['model']} ({r['allocator']}) | {r['batch']} | {r['op_calls'][0]} / {r['op_calls'][1]} "
+        f"| {s['eager'] * 1e3:.1f} | {s['boxed'] * 1e3:.1f} | {s['bound'] * 1e3:.1f} | {s['boxed'] / s['eager']:.3f} "
+        f"| {s['bound'] / s['eager']:.3f} | {wall['bound'] / wall['eager']:.3f} | {outside} | {per_op} "
+        f"| {p['eager']['optimizer_calls']:.0f} / {p['bound']['optimizer_calls']:.0f} "
+        f"| {'yes' if r['bit_identical'] else 'NO'} |"
+    )
+
+
+def _markdown(
+    rows: list[dict[str, Any]],
+    models: list[str],
+    batches: list[int],
+    steps: int,
+    threads: int,
+    allocator: str,
+    out: Path,
+) -> str:
+    command = "python bench/step_overhead.py"
+    if list(models) != list(MODELS) or list(batches) != list(BATCHES) or steps != 10 or threads != 1:
+        command += (
+            f" --models {' '.join(models)} --batches {' '.join(map(str, batches))} --steps {steps} --threads {threads}"
+        )
+    if allocator != "auto":
+        command += f" --allocator {allocator}"
+    if out.resolve() != DEFAULT_OUT:
+        command += f" --out {os.path.relpath(out.resolve(), ROOT)}"
+    lines = [
+        "# Host time per step: memplan's replayed step vs eager (issue 34)",
+        "",
+        "Written by:",
+        "",
+        f"    {command}",
+        "",
+        f"On the CPU, {threads} thread(s), Adam (single-tensor), each model in its own process. Step times are this "
+        f"thread's CPU time, medians of {steps} interleaved rounds after 6 warm-up steps (*wall ratio*: the same "
+        "with wall time). *boxed*: memplan as before issue 34 (every op through `OpOverload._op`; with arena views "
+        "each replayed optimizer op matched by pytree walks); *bound*: memplan now (each op through its Python "
+        "binding where one is proven to make the same call; the matcher's traced side computed once). *ops*: calls "
+        "in the generated step through a binding / through `_op`. *outside ops*: a profiled step's wall time outside "
+        "the top-level ATen ops (on a GPU: host time that launches nothing), median of 3, the profiler's own cost "
+        "included and boxing partly inside the op events: compare eager with memplan, not boxed with bound. "
+        "*bit-identical*: eager's and memplan's models hold the same bits after all steps of the run. The machine "
+        "is shared and busy: the figures are noisy, compare ratios within a row.",
+        "",
+        HEADER,
+        *(_row(r) for r in rows),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        model, batch, steps, threads, allocator, out = sys.argv[2:8]
+        child(model, int(batch), int(steps), int(threads), allocator, Path(out))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--allocator", default="auto", choices=["auto", "replay", "views"])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args()
+    parent(args.models, args.batches, args.steps, args.threads, args.allocator, args.out)
+
+
+if __name__ == "__main__":
+    main()
