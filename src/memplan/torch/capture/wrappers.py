@@ -41,7 +41,7 @@ def _wrapper_reason(module: torch.nn.Module) -> str:
     if fsdp is not None and isinstance(module, getattr(fsdp, "FSDPModule", ())):
         return (
             "is sharded with FSDP2's fully_shard (its parameters are DTensors): pass it to "
-            "memplan.torch.distributed.compile_fsdp_step (on every rank), which plans FSDP2's collectives, "
+            "memplan.compile_step(model, optimizer, loss_fn, batch) on every rank, which plans FSDP2's collectives, "
             "or plan the unsharded model"
         )
     if fsdp is not None and isinstance(module, getattr(fsdp, "FullyShardedDataParallel", ())):
