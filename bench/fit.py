@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import statistics
 import sys
@@ -438,7 +439,8 @@ class Bench:
 
     def max_batch(self, model: ModelSpec, entry: dict[str, Any], limit: int) -> None:
         """The largest batch each contender trains within ``limit`` (3 steps per try)."""
-        entry["max_batch"] = {"limit_bytes": limit, "contenders": {}}
+        grain = self.args.max_batch_grain
+        entry["max_batch"] = {"limit_bytes": limit, "grain": grain, "cap": self.args.max_batch_cap, "contenders": {}}
         for contender in [c for c in self.args.contenders if c != "accumulate"]:
             extra = {"amb": min(self.args.compile_budgets)} if contender == "compile" else {}
             tries: dict[int, str] = {}
@@ -449,7 +451,7 @@ class Bench:
                 tries[batch] = row["outcome"]
                 return row["outcome"] == "fits"
 
-            best = largest_batch(fits, model.batch, self.args.max_batch_cap)
+            best = largest_batch(fits, model.batch, self.args.max_batch_cap, grain)
             entry["max_batch"]["contenders"][contender] = {"batch": best, "tries": tries, **extra}
             self.write()
 
@@ -465,9 +467,10 @@ class Bench:
         return "python bench/fit.py " + " ".join(sys.argv[1:])
 
 
-def largest_batch(fits: Any, start: int, cap: int) -> int:
+def largest_batch(fits: Any, start: int, cap: int, grain: int = 1) -> int:
     """The largest batch ``b <= cap`` with ``fits(b)`` (0: not even 1), assuming fitting is
-    monotone: doubling (or halving) from ``start``, then bisection."""
+    monotone: doubling (or halving) from ``start``, then bisection until the largest batch that fits
+    and the smallest that does not are at most ``grain`` apart (1: exact)."""
     low, high = 0, min(start, cap)
     if fits(high):
         low, high = high, 0
@@ -482,7 +485,7 @@ def largest_batch(fits: Any, start: int, cap: int) -> int:
             low, high = (probe, high) if fits(probe) else (0, probe)
         if not low:
             return 0
-    while high - low > 1:
+    while high - low > max(grain, 1):
         mid = (low + high) // 2
         low, high = (mid, high) if fits(mid) else (low, mid)
     return low
@@ -539,6 +542,14 @@ def _row(row: dict[str, Any], eager_step: float | None) -> str:
 def _model_section(entry: dict[str, Any]) -> list[str]:
     ref = entry["reference"]
     eager_step = steady(ref)
+    if not entry.get("rows") and ref["outcome"].startswith("not run"):  # --max-batch-only: the search alone
+        lines = [
+            f"## {entry['model']}, largest batch (search from {entry['batch']}): {entry['description']}",
+            "",
+            f"`{entry.get('command', '')}`: no reference run (the limit is in bytes); no diffs are taken here.",
+            "",
+        ]
+        return lines + _max_batch_lines(entry)
     lines = [
         f"## {entry['model']}, batch {entry['batch']}: {entry['description']}",
         "",
@@ -554,19 +565,41 @@ def _model_section(entry: dict[str, Any]) -> list[str]:
         *(_row(r, eager_step) for r in entry.get("rows", [])),
         "",
     ]
+    return lines + _max_batch_lines(entry)
+
+
+def _max_batch_lines(entry: dict[str, Any]) -> list[str]:
+    """The largest-batch table of one model, if it was searched."""
+    lines: list[str] = []
     mb = entry.get("max_batch")
     if mb:
+        grain = mb.get("grain", 1)
+        cap = mb.get("cap") or _cap_in(entry.get("command", ""))
+        coarse = (
+            f"; bisection stopped once the largest batch that fits and the smallest that does not were at most {grain}"
+            " apart, so the true largest batch may be up to "
+            f"{grain - 1} more than shown (see the tries)"
+            if grain > 1
+            else ""
+        )
         lines += [
-            f"Largest batch within {_mib(mb['limit_bytes'])} MiB (3 steps per try, each its own process):",
+            f"Largest batch within {_mib(mb['limit_bytes'])} MiB (3 steps per try, each its own process{coarse}):",
             "",
             "| contender | largest batch | tries (batch: outcome) |",
             "|---|---|---|",
         ]
         for name, c in mb["contenders"].items():
             tries = ", ".join(f"{b}: {o}" for b, o in sorted(c["tries"].items(), key=lambda kv: int(kv[0])))
-            lines.append(f"| {name}{' (amb=' + str(c['amb']) + ')' if 'amb' in c else ''} | {c['batch']} | {tries} |")
+            best = f"{c['batch']} (the search's cap: larger not tried)" if c["batch"] == cap else c["batch"]
+            lines.append(f"| {name}{' (amb=' + str(c['amb']) + ')' if 'amb' in c else ''} | {best} | {tries} |")
         lines.append("")
     return lines
+
+
+def _cap_in(command: str) -> int:
+    """The ``--max-batch-cap`` of a command line (runs whose JSON predates the cap's field)."""
+    found = re.search(r"--max-batch-cap[ =](\d+)", command)
+    return int(found.group(1)) if found else 256
 
 
 def render(out: Path, parts: list[Path]) -> None:
@@ -635,6 +668,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--memplan-budget", default=None, help="give memplan this memory_budget instead (e.g. fit)")
     parser.add_argument("--max-batch", default="", help="models whose largest batch is searched (first limit)")
     parser.add_argument("--max-batch-cap", type=int, default=256)
+    parser.add_argument("--max-batch-grain", type=int, default=1, help="stop bisecting at this gap (1: exact)")
     parser.add_argument("--max-batch-only", action="store_true", help="only the largest-batch search")
     parser.add_argument("--cap-gib", type=float, default=6.0, help="the reference's safety limit")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per try")

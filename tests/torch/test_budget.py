@@ -136,6 +136,7 @@ def test_an_infeasible_budget_says_the_smallest_peak_in_one_line() -> None:
     message = str(err.value)
     assert "\n" not in message
     assert "smallest peak found is" in message and "raise memory_budget" in message
+    assert "no plan exists (proven)" in message and "time_limit_seconds" not in message  # more time cannot help
 
 
 def test_budget_with_a_scaler_or_two_optimizers_is_refused() -> None:

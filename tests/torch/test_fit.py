@@ -42,6 +42,25 @@ def test_largest_batch_finds_the_threshold(start: int, cap: int) -> None:
         assert len(probed) == len(set(probed))
 
 
+@pytest.mark.parametrize("grain", [2, 4])
+@pytest.mark.parametrize("start", [1, 16])
+def test_coarse_largest_batch_brackets_the_threshold(start: int, grain: int) -> None:
+    """With a grain: the answer fits, a failing probe lies at most ``grain`` above it (or it is the
+    oracle), and it never needs more probes than the exact search."""
+    cap, saved = 40, 0
+    for threshold in range(0, 60):
+        coarse: list[int] = []
+        exact: list[int] = []
+        answer = fit.largest_batch(lambda b, p=coarse, t=threshold: p.append(b) or b <= t, start, cap, grain)
+        fit.largest_batch(lambda b, p=exact, t=threshold: p.append(b) or b <= t, start, cap)
+        best = min(threshold, cap)
+        assert answer <= best
+        assert answer == best or any(answer < b <= answer + grain and b > threshold for b in coarse)
+        assert len(coarse) <= len(exact) and len(coarse) == len(set(coarse))
+        saved += len(exact) - len(coarse)
+    assert saved > 0, "the grain saved no probe"
+
+
 def test_limits_are_fractions_or_bytes() -> None:
     assert fit.parse_limit("0.6") == 0.6
     assert fit.parse_limit("2600MiB") == 2600 * MIB

@@ -635,6 +635,9 @@ def _infeasible_message(
     placing = 0 if user_bytes is None else max(0, user_bytes - budget_bytes)
     advice = lowest + placing if runnable_bytes is None else min(lowest + placing, runnable_bytes)
     head = f"memory_budget {format_bytes(budget_bytes)} is below what this step can reach: {proof}"
+    more_time = ", lower the batch size, or give more time_limit_seconds"
+    if schedule.status == "infeasible":  # more time cannot help once no plan is proven to exist
+        more_time = " or lower the batch size"
     if placing:
         head = (
             f"memory_budget {format_bytes(user_bytes)} is below what this step can reach once its arena is placed: "  # type: ignore[arg-type]
@@ -644,7 +647,7 @@ def _infeasible_message(
     return (
         f"{head}; the smallest peak found is {format_bytes(lowest)} (no plan goes below {format_bytes(floor)}, "
         f"checkpoint-all needs {format_bytes(reference)}): raise memory_budget to at least "
-        f"{format_bytes(advice)}, lower the batch size, or give more time_limit_seconds"
+        f"{format_bytes(advice)}{more_time}"
     )
 
 
