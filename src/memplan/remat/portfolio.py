@@ -789,9 +789,8 @@ def solve_remat_in_order(
     "infeasible" only when the budget is below the floor in ``order`` *and* in program order
     (``details["floor_bytes"]``: the lower of the two); where only ``order``'s floor proves
     nothing fits, the portfolio runs again in program order."""
-    program = list(range(len(graph.ops)))
-    if order is None or list(order) == program:
-        plan = solve_remat(
+    def in_program_order() -> RematSchedule:
+        return solve_remat(
             graph,
             budget_bytes,
             time_limit_seconds,
@@ -801,6 +800,9 @@ def solve_remat_in_order(
             reorder=reorder,
             progress=progress,
         )
+
+    if order is None or list(order) == list(range(len(graph.ops))):
+        plan = in_program_order()
         plan.details["stage_order"] = "program"
         return plan
     validate_order(graph, order)
@@ -842,16 +844,7 @@ def solve_remat_in_order(
         if lowest.steps:
             plan.details["lowest_peak_bytes"] = lowest.peak_bytes
     if plan.status == "infeasible" and budget_bytes >= floor:
-        again = solve_remat(
-            graph,
-            budget_bytes,
-            time_limit_seconds,
-            cost=cost,
-            workspace=workspace,
-            workers=workers,
-            reorder=reorder,
-            progress=progress,
-        )
+        again = in_program_order()
         again.details["stage_order"] = "program (no plan keeps the reordered order: its memory floor)"
         return again
     return plan
