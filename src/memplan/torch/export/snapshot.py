@@ -347,7 +347,11 @@ def replay_snapshot(replayed: Any, persistent: Mapping[str, Any] | None = None) 
     if plan is None or trace is None:
         raise SnapshotError("the planned allocator has not planned this step yet: run the step until it replays")
     arena_address = replayed.arena.data_ptr()
-    addresses = _Addresses(arena_address + _round_up(plan.arena_bytes) + SEPARATE_ADDRESS_GAP)
+    held = _persistent_allocations(persistent or {})
+    # made-up addresses above every real one: the arena and the persistent tensors (which the
+    # C heap may have put just past the arena) are at their real addresses
+    highest = max([arena_address + plan.arena_bytes, *(a.address + a.size_bytes for a in held)])
+    addresses = _Addresses(_round_up(highest) + SEPARATE_ADDRESS_GAP)
     allocations = []
     for k in range(trace.num_allocations):
         size, offset = trace.sizes[k], plan.branches[0].offsets[k]
@@ -357,7 +361,7 @@ def replay_snapshot(replayed: Any, persistent: Mapping[str, Any] | None = None) 
         else:
             address, segment = addresses.take(size), None
         allocations.append(Allocation(address, size, trace.alloc_at[k], trace.free_at[k], frames, segment))
-    allocations += _persistent_allocations(persistent or {})
+    allocations += held
     arena = Segment(arena_address, plan.arena_bytes, (frame("memplan arena (planned CPU allocator)", "memplan:arena"),))
     return build_snapshot(allocations, [arena] if plan.arena_bytes else [])
 
