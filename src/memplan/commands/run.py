@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
@@ -147,22 +148,7 @@ def print_fit(report: dict[str, Any], out: Console) -> None:
 def print_data_parallel(reports: list[dict[str, Any]], console: Console) -> None:
     """The table of ``memplan run --nproc N``: per rank, memplan vs DDP (both bucket settings)."""
     first = reports[0]
-    table = Table(
-        title=f"{first['model']}  batch {first['batch_size']} per rank  {first['world_size']} ranks (gloo)  "
-        f"{first['steps']} steps"
-    )
-    table.add_column("rank")
-    table.add_column("")
-    for name in first["variants"]:
-        table.add_column(VARIANT_TITLES.get(name, name), justify="right")
-    for r in reports:
-        v = r["variants"]
-        peaks = {n: x["resident_bytes"] + x["step_peak_bytes"] + x["bucket_bytes"] for n, x in v.items()}
-        table.add_row(str(r["rank"]), "measured peak", *(format_bytes(p) for p in peaks.values()))
-        table.add_row("", "step seconds (median)", *(f"{x['step_seconds']:.3f}" for x in v.values()))
-        table.add_row(
-            "", "max abs diff to memplan", *("" if n == "memplan" else str(x["max_abs_diff"]) for n, x in v.items())
-        )
+    table = _per_rank_table(reports, "gloo", lambda x: x["resident_bytes"] + x["step_peak_bytes"] + x["bucket_bytes"])
     console.print(table)
     plan = first["plan"]
     console.print(
@@ -183,21 +169,7 @@ VARIANT_TITLES = {"memplan": "memplan", "ddp": "DDP", "ddp-view": "DDP (grad. as
 def print_fsdp(reports: list[dict[str, Any]], console: Console) -> None:
     """The table of ``memplan run --nproc N --fsdp``: per rank, memplan vs eager FSDP2."""
     first = reports[0]
-    table = Table(
-        title=f"{first['model']}  batch {first['batch_size']} per rank  {first['world_size']} ranks (gloo, FSDP2)  "
-        f"{first['steps']} steps"
-    )
-    table.add_column("rank")
-    table.add_column("")
-    for name in first["variants"]:
-        table.add_column(VARIANT_TITLES.get(name, name), justify="right")
-    for r in reports:
-        v = r["variants"]
-        table.add_row(str(r["rank"]), "measured peak", *(format_bytes(x["peak_bytes"]) for x in v.values()))
-        table.add_row("", "step seconds (median)", *(f"{x['step_seconds']:.3f}" for x in v.values()))
-        table.add_row(
-            "", "max abs diff to memplan", *("" if n == "memplan" else str(x["max_abs_diff"]) for n, x in v.items())
-        )
+    table = _per_rank_table(reports, "gloo, FSDP2", lambda x: x["peak_bytes"])
     console.print(table)
     worst = max(r["variants"]["fsdp2"]["max_abs_diff"] for r in reports)
     verdict = "identical" if worst == 0.0 else f"DIFFER by up to {worst:.3g}"
@@ -206,6 +178,27 @@ def print_fsdp(reports: list[dict[str, Any]], console: Console) -> None:
         f"{format_bytes(first['arena_bytes'])}; loss, gathered parameters and optimizer state on every rank, "
         f"after every step, vs eager FSDP2: {verdict}"
     )
+
+
+def _per_rank_table(reports: list[dict[str, Any]], backend: str, peak_of: Callable[[dict[str, Any]], int]) -> Table:
+    """Per rank, each variant's measured peak (``peak_of`` its report), step time and diff to memplan."""
+    first = reports[0]
+    table = Table(
+        title=f"{first['model']}  batch {first['batch_size']} per rank  {first['world_size']} ranks ({backend})  "
+        f"{first['steps']} steps"
+    )
+    table.add_column("rank")
+    table.add_column("")
+    for name in first["variants"]:
+        table.add_column(VARIANT_TITLES.get(name, name), justify="right")
+    for r in reports:
+        v = r["variants"]
+        table.add_row(str(r["rank"]), "measured peak", *(format_bytes(peak_of(x)) for x in v.values()))
+        table.add_row("", "step seconds (median)", *(f"{x['step_seconds']:.3f}" for x in v.values()))
+        table.add_row(
+            "", "max abs diff to memplan", *("" if n == "memplan" else str(x["max_abs_diff"]) for n, x in v.items())
+        )
+    return table
 
 
 def _data_parallel_diff(reports: list[dict[str, Any]]) -> float:
