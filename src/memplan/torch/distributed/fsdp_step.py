@@ -28,6 +28,7 @@ from memplan.torch.distributed.fsdp import (
     structure_fingerprint,
     twin_optimizer,
 )
+from memplan.torch.distributed.step import require_process_group
 from memplan.torch.rss import release_free_memory
 from memplan.torch.run.interpreter import Plan, StepRunner, allocator_tensors, optimizer_update_groups
 
@@ -45,11 +46,7 @@ class FsdpStep:
         reorder: bool = True,
         recompute_copies: bool = True,
     ) -> None:
-        if not dist.is_available() or not dist.is_initialized():
-            raise MemplanError(
-                "torch.distributed is not initialized: call torch.distributed.init_process_group() first "
-                "(torchrun sets up the rank and world size)"
-            )
+        require_process_group()
         if any(t.device.type != "cpu" for t in [*model.parameters(), *model.buffers()]):
             raise MemplanError("memplan's FSDP2 step runs on CPU (gloo) for now; shard the model on a 'cpu' mesh")
         self.layout = read_layout(model)

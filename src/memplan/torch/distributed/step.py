@@ -44,6 +44,15 @@ from memplan.torch.run.interpreter import allocator_tensors, optimizer_update_gr
 from memplan.torch.run.updates import check_optimizers
 
 
+def require_process_group() -> None:
+    """A one-line error unless torch.distributed is initialized (every planned parallel step needs it)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise MemplanError(
+            "torch.distributed is not initialized: call torch.distributed.init_process_group() first "
+            "(torchrun sets up the rank and world size)"
+        )
+
+
 class DataParallelStep:
     """A planned data-parallel training step of one rank; call it with this rank's batch."""
 
@@ -68,11 +77,7 @@ class DataParallelStep:
                 "DistributedDataParallel wrapper: memplan does DDP's bucketing itself, and the wrapper's own "
                 "buckets would keep a second copy of every gradient allocated"
             )
-        if not dist.is_available() or not dist.is_initialized():
-            raise MemplanError(
-                "torch.distributed is not initialized: call torch.distributed.init_process_group() first "
-                "(torchrun sets up the rank and world size)"
-            )
+        require_process_group()
         if any(t.device.type != "cpu" for t in [*model.parameters(), *model.buffers()]):
             raise MemplanError("memplan's data-parallel step runs on CPU (gloo) for now; keep the model on the CPU")
         check_optimizers([optimizer], model)
