@@ -24,11 +24,13 @@ leaves room for Python's start and the last write. Setup, in this order:
   /tmp/memplan-site``) and puts that folder first on the path of every job; without a wheel for a
   missing module it stops with one line saying the command above.
 - Jobs: every measurement runs in a process of its own with a timeout (a crash or a hang costs
-  that job only; what it printed before is kept). By default a job is a ``fork`` of the suite
-  after torch, transformers and memplan are imported and the planned allocators are compiled, none
-  of which starts CUDA (``PYTORCH_NVML_BASED_CUDA_CHECK=1``): each job starts CUDA itself, fresh,
-  and the planned CUDA allocator can still be installed in it. ``--spawn`` starts a new
-  interpreter per job instead (also chosen by itself if the first forked job cannot start CUDA).
+  that job only; what it printed before is kept). A job is a new interpreter (spawned): on the
+  H100 of 2026-11-27 (torch 2.11.0+cu130, cuDNN 9.19) every cuDNN convolution in a job forked
+  from the suite died with SIGSEGV, eager PyTorch included, while the same jobs spawned passed
+  (bench/diag/conv_segv.py isolates it: a conv in a fresh interpreter passes with every import
+  the suite makes). ``--fork`` forks the suite instead, after torch, transformers and memplan are
+  imported and the planned allocators compiled, none of which starts CUDA
+  (``PYTORCH_NVML_BASED_CUDA_CHECK=1``): about 10 s less per job, for images where it works.
 - Numerics: ``torch.use_deterministic_algorithms(True, warn_only=True)`` (an op without a
   deterministic kernel warns and its row lists it), ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, cuDNN's
   deterministic mode, benchmark off; both sides from the same seed, batch and per-step seeds.
@@ -1261,6 +1263,8 @@ def _crash_lines(record: dict[str, Any] | None) -> list[str]:
         return ["## Crash check: not run", ""]
     state = "passed" if record["ok"] else f"FAILED (exit status {record['rc']}, at: {record['last_stage']})"
     lines = ["## Crash check", "", f"compile_step with memory_budget=70% then eager in one process: {state}; "]
+    if "run" in record:
+        lines[-1] = f"(call {record['run']}) " + lines[-1]
     lines[-1] += f"bit-identical: {record['bit_identical']}; recomputed: {record['recomputed_kinds']}."
     if record["stderr_tail"]:
         lines += ["", "```", record["stderr_tail"][-1500:], "```"]
@@ -1286,7 +1290,13 @@ def _zoo_line(r: dict[str, Any]) -> str:
     cells = [r["model"], str(r["batch"]), _mib(r["eager_reserved_bytes"]), _mib(r["eager_allocated_bytes"])]
     cells += [_mib(r["memplan_reserved_bytes"]), _mib(r["memplan_allocated_bytes"]), _num(ratio), used]
     cells += [_num(r["time_ratio"]), _num(r["max_abs_diff"], ".3g"), str(r["bit_identical"]), str(r["allocator"])]
-    return "| " + " | ".join([*cells, r["note"] or ""]) + " |"
+    return "| " + " | ".join([*cells, _run_note(r)]) + " |"
+
+
+def _run_note(r: dict[str, Any]) -> str:
+    """The row's note, with the call that measured it when calls were merged."""
+    note = r["note"] or ""
+    return note if "run" not in r else f"call {r['run']}" + (f"; {note}" if note else "")
 
 
 def _budget_line(r: dict[str, Any]) -> str:
@@ -1295,7 +1305,7 @@ def _budget_line(r: dict[str, Any]) -> str:
     how = f"{plan.get('method')}, +{100 * overhead:.2f}% compute" if overhead is not None else str(plan.get("method"))
     cells = [r["part"], r["model"], str(r["batch"]), _mib(r["budget_bytes"]), _mib(r["memplan_reserved_bytes"])]
     cells += [str(r["held"]), _mib(r["eager_allocated_bytes"]), _num(r["time_ratio"]), _num(r["max_abs_diff"], ".3g")]
-    cells += [str(r["bit_identical"]), how if plan else "-", r["note"] or ""]
+    cells += [str(r["bit_identical"]), how if plan else "-", _run_note(r)]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -1331,6 +1341,70 @@ def _compile_lines(entries: list[dict[str, Any]]) -> list[str]:
     return [*lines, ""]
 
 
+# ----------------------------------------------------------------------------- merging calls
+
+
+def _measured(row: dict[str, Any]) -> bool:
+    """A row whose memplan side ran (a crashed or skipped side leaves its bytes null)."""
+    return row.get("memplan_reserved_bytes") is not None
+
+
+def merge_runs(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One document from several calls of the suite on the same device, in the order given.
+
+    A row (part, model, batch) or a check a later call measured replaces an earlier one that
+    failed; a measured row is never replaced by a failed one. Each row names its call
+    (``run``, 1-based) and the page lists every call's command, so nothing is attributed to a
+    call that did not make it.
+    """
+    devices = {d["device"] for d in docs}
+    if len(devices) != 1:
+        raise SystemExit(f"gpu_suite --merge: the calls ran on different devices ({sorted(devices)}); merge per device")
+    merged: dict[str, Any] = {"device": docs[0]["device"], "torch": docs[0]["torch"], "rows": []}
+    merged |= {"crash_check": None, "fit": None, "torch_compile": [], "skipped": [], "runs": []}
+    keyed: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for number, doc in enumerate(docs, start=1):
+        merged["runs"].append({"run": number, **{k: doc["suite"][k] for k in ("command", "date", "jobs")}})
+        for row in doc["rows"]:
+            key = (row["part"], row["model"], row["batch"])
+            if key not in keyed or _measured(row) or not _measured(keyed[key]):
+                keyed[key] = {**row, "run": number}
+        crash = doc.get("crash_check")
+        if crash is not None and (merged["crash_check"] is None or crash["ok"] or not merged["crash_check"]["ok"]):
+            merged["crash_check"] = {**crash, "run": number}
+        if doc.get("fit"):
+            merged["fit"] = {**doc["fit"], "run": number}
+        for entry in doc.get("torch_compile") or []:
+            merged["torch_compile"] = [c for c in merged["torch_compile"] if c["model"] != entry["model"]
+                                       or (c["reserved_bytes"] is not None and entry["reserved_bytes"] is None)]
+            if not any(c["model"] == entry["model"] for c in merged["torch_compile"]):
+                merged["torch_compile"].append({**entry, "run": number})
+    merged["rows"] = list(keyed.values())
+    measured = {(r["part"], r["model"]) for r in merged["rows"] if _measured(r)}
+    for number, doc in enumerate(docs, start=1):
+        for skip in doc.get("skipped") or []:
+            part, _, model = skip["what"].partition(" ")
+            if (part, model) not in measured and skip["what"] not in {s["what"] for s in merged["skipped"]}:
+                merged["skipped"].append({**skip, "run": number})
+    first = docs[0]["suite"]
+    merged["suite"] = {**first, "command": "; ".join(f"({r['run']}) {r['command']}" for r in merged["runs"]),
+                       "jobs": ", ".join(f"({r['run']}) {r['jobs']}" for r in merged["runs"]),
+                       "elapsed_s": round(sum(d["suite"]["elapsed_s"] for d in docs), 1),
+                       "budget_s": round(sum(d["suite"]["budget_s"] for d in docs), 1)}
+    return merged
+
+
+def write_merged(paths: list[str], out: Path) -> int:
+    """``--merge A.json B.json ... --out DIR``: DIR/gpu_suite.json and gpu_suite.md from the calls given."""
+    docs = [json.loads(Path(path).read_text()) for path in paths]
+    merged = merge_runs(docs)
+    out.mkdir(parents=True, exist_ok=True)
+    _atomic_write(out / "gpu_suite.json", json.dumps(merged, indent=1, default=str) + "\n")
+    _atomic_write(out / "gpu_suite.md", markdown(merged))
+    print(f"gpu_suite: merged {len(docs)} calls into {out / 'gpu_suite.md'}")
+    return 0
+
+
 # ----------------------------------------------------------------------------- command line
 
 
@@ -1358,12 +1432,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--time-limit", type=float, default=None, help="memplan's solver time limit, s (10; dry: 2)")
     parser.add_argument("--wheelhouse", default=str(ROOT / ".whl"), help="wheels installed if missing (--target)")
     parser.add_argument("--site", default=SITE, help="where the wheels are installed")
-    parser.add_argument("--spawn", action="store_true", help="a new interpreter per job instead of a fork")
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="merge these calls' gpu_suite.json into --out")
+    parser.add_argument("--fork", action="store_true", help="fork jobs from the suite instead of spawning them")
+    parser.add_argument("--spawn", action="store_true", help=argparse.SUPPRESS)  # the default; kept for old commands
     parser.add_argument("--work", default=None, help="folder for the jobs' logs and parameters (default: a temp dir)")
     parser.add_argument("--keep-work", action="store_true")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--job-results", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    # the dry run (CPU only, no cuDNN) forks unless told to spawn: its rehearsal stays quick
+    args.spawn = args.spawn or not (args.fork or args.dry_run)
     args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(args.parts) - set(PARTS))
     if unknown:
@@ -1413,6 +1491,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.job is not None:  # a spawned job
         run_job_here(json.loads(args.job), args.job_results)
         return 0
+    if args.merge:
+        return write_merged(args.merge, Path(args.out))
     started = time.monotonic()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

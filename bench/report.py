@@ -44,6 +44,7 @@ ORDER = [
     "step_overhead",
     "step_overhead_views",
     "cuda",
+    "gpu_suite",
     "cuda_budget",
     "streams",
     "ddp",

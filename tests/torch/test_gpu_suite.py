@@ -168,3 +168,29 @@ def test_spawned_jobs_probe_like_forked_ones(tmp_path: Path) -> None:
     spawned = suite.run_job({"kind": "probe"}, 300, "probe (spawned)")
     assert forked.rc == spawned.rc == 0, spawned.tail
     assert forked.results == spawned.results and forked.results[0]["device"] == "cpu (dry run)"
+
+
+def test_merged_calls_keep_measured_rows_and_name_their_call() -> None:
+    """``--merge``: a later call's measured row replaces a crashed one, never the other way round."""
+    recorded = sorted((ROOT / "bench" / "results" / "gpu").glob("*.json"))
+    assert len(recorded) >= 2, "the recorded H100 calls are missing"
+    docs = [json.loads(p.read_text()) for p in recorded]
+    merged = gpu_suite.merge_runs(docs)
+    keys = [(r["part"], r["model"], r["batch"]) for r in merged["rows"]]
+    assert len(keys) == len(set(keys))
+    every = {(r["part"], r["model"], r["batch"]) for d in docs for r in d["rows"]}
+    assert set(keys) == every
+    for row in merged["rows"]:
+        _check_row(row)
+        measured_anywhere = [n for n, d in enumerate(docs, 1) for r in d["rows"]
+                             if (r["part"], r["model"], r["batch"]) == (row["part"], row["model"], row["batch"])
+                             and r["memplan_reserved_bytes"] is not None]
+        assert (row["memplan_reserved_bytes"] is not None) == bool(measured_anywhere)
+        if measured_anywhere:
+            assert row["run"] == measured_anywhere[-1]
+    text = gpu_suite.markdown(merged)
+    assert all(f"({n}) " in text for n in range(1, len(docs) + 1))
+    reversed_docs = gpu_suite.merge_runs(docs[::-1])
+    assert {k for k, r in zip(keys, merged["rows"], strict=True) if r["memplan_reserved_bytes"] is not None} == {
+        (r["part"], r["model"], r["batch"]) for r in reversed_docs["rows"] if r["memplan_reserved_bytes"] is not None
+    }
