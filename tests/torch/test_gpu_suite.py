@@ -194,3 +194,15 @@ def test_merged_calls_keep_measured_rows_and_name_their_call() -> None:
     assert {k for k, r in zip(keys, merged["rows"], strict=True) if r["memplan_reserved_bytes"] is not None} == {
         (r["part"], r["model"], r["batch"]) for r in reversed_docs["rows"] if r["memplan_reserved_bytes"] is not None
     }
+
+
+def test_a_job_stopped_by_strict_determinism_is_recognised() -> None:
+    """Jobs run with ``use_deterministic_algorithms(True)``; one stopped by an op without a
+    deterministic kernel (PyTorch's own message) is run again with warn_only, others are not."""
+    stopped = "RuntimeError: nll_loss2d_forward_out_cuda_template does not have a deterministic implementation"
+    assert gpu_suite._needs_warn_only(gpu_suite.Outcome(1, [{"error": stopped}], "", 1.0, False), "")
+    assert gpu_suite._needs_warn_only(gpu_suite.Outcome(1, [], "", 1.0, False), "Traceback ...\n" + stopped)
+    crashed = gpu_suite.Outcome(-11, [], "Fatal Python error: Segmentation fault", 1.0, False)
+    assert not gpu_suite._needs_warn_only(crashed, "Fatal Python error: Segmentation fault")
+    row = gpu_suite.make_row("zoo", "unet", 32, {"step_s": 1.0, "determinism": "warn_only"}, {"step_s": 1.0})
+    assert "warn_only" in row["note"]
