@@ -355,6 +355,11 @@ class NativeReplay:
         its own (the C heap's free pages are given back by :meth:`release_free_memory`): 0."""
         return 0
 
+    def persistent_in_use(self, arena_bytes: int, kept_sizes: Sequence[int]) -> int | None:
+        """Bytes in use besides the arena and a step's kept allocations, where the allocator
+        counts them (the CUDA one); the CPU allocator does not: ``None``."""
+        return None
+
     def release_free_memory(self) -> None:
         """Give freed memory back (the C heap's free pages on the CPU)."""
         from memplan.torch.rss import release_free_memory

@@ -12,9 +12,12 @@ PyTorch loaded. Its policies (the library's header states them; ``tests/torch/te
 tests each against a host stand-in for the device): a free block serves a request on the same
 device and stream when it is at most :data:`NEAR_SIZE_SLACK` larger; before a block is taken from
 the device, cached blocks are given back, the largest first, so that what the allocator holds
-never exceeds the most it handed out plus :data:`CACHE_BOUND_BYTES` (``max_memory_reserved <=
-max_memory_allocated + bound``); under a ``memory_budget`` the bound shrinks to the budget's
-headroom over the placed step (:meth:`CudaReplay.hold_cache_within`).
+never exceeds the most it handed out plus :data:`CACHE_BOUND_BYTES` plus the bound's growth
+(``max_memory_reserved <= max_memory_allocated + bound + growth``); the bound grows by each block
+it gave back that a later request asks for again (up to :data:`GROWTH_CEILING`: the most bytes
+in use), so a step that repeats its requests on the cache (arena views on this allocator, issue
+34) settles at what one step needs and stops calling the device; under a ``memory_budget`` the
+device holds at most the budget beyond the bytes in use (:meth:`CudaReplay.hold_cache_within`).
 
 Why not ``torch.cuda.MemPool(allocator=...)`` scoped to the step: a pool's allocator is asked
 for *segments* (``allocPrimitive`` in ``c10/cuda/CUDACachingAllocator.cpp`` calls its
@@ -36,6 +39,7 @@ views and says why. Tests drive the compiled state machine on the CPU through :f
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +50,7 @@ from memplan.torch.run.allocator import (
     CUDA_ALIGNMENT_BYTES,
     AllocatorUnavailable,
     NativeReplay,
+    aligned,
     build_library,
     declare_replay_api,
 )
@@ -54,14 +59,17 @@ SOURCE = CSRC / "cuda_planned_allocator.cpp"
 LIBRARY_NAME = "cuda_planned_allocator"
 MALLOC_SYMBOL = "mp_cuda_malloc"
 FREE_SYMBOL = "mp_cuda_free"
-_NUM_MEMORY_STATS = 11
+_NUM_MEMORY_STATS = 15
 INSTALL_HINT = "call memplan.torch.run.cuda_allocator.install() before the first CUDA tensor"
 
 # the cache's policies (see the module docstring): the most free bytes it keeps beyond what is
-# handed out when it must ask the device for more, and how much larger than a request a reused
-# block may be (1/8: a 4096-byte request may take a block of up to 4608 bytes, never a larger one)
+# handed out when it must ask the device for more, how much larger than a request a reused block
+# may be (1/8: a 4096-byte request may take a block of up to 4608 bytes, never a larger one), and
+# the most the bound may grow by when blocks it gave back are asked for again (-1: as many bytes
+# as were in use at the most; 0: no growth)
 CACHE_BOUND_BYTES = 32 * 2**20
 NEAR_SIZE_SLACK = (1, 8)
+GROWTH_CEILING = -1
 
 _installed: CudaReplay | None = None
 
@@ -84,6 +92,10 @@ class CudaMemoryStats:
     evicted: int = 0  # cached blocks given back by the cache bound
     unknown_frees: int = 0  # frees of a pointer not live here (a second free): never passed to cudaFree
     cache_bound: int = -1  # the bound in force (-1: none)
+    growth: int = 0  # bytes the bound grew by: blocks it gave back that later requests asked for again
+    regrets: int = 0  # requests that a block the bound gave back would have served
+    held_cap: int = -1  # the most bytes held, a memory_budget (-1: none)
+    high_in_use: int = 0  # the most bytes in use since the policy was set
 
 
 def build() -> Path:
@@ -105,8 +117,10 @@ def declare_cuda_api(lib: ctypes.CDLL) -> None:
     lib.mp_cuda_empty_cache.restype = None
     lib.mp_cuda_memory_stats.argtypes = [ctypes.POINTER(ctypes.c_int64)]
     lib.mp_cuda_memory_stats.restype = None
-    lib.mp_cuda_set_cache_policy.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    lib.mp_cuda_set_cache_policy.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
     lib.mp_cuda_set_cache_policy.restype = None
+    lib.mp_cuda_set_held_cap.argtypes = [ctypes.c_int64]
+    lib.mp_cuda_set_held_cap.restype = None
     lib.mp_cuda_reset_peaks.restype = None
 
 
@@ -122,28 +136,55 @@ class CudaReplay(NativeReplay):
     arena_lead_bytes = CUDA_ALIGNMENT_BYTES
 
     def __init__(
-        self, lib: ctypes.CDLL, cache_bound_bytes: int = CACHE_BOUND_BYTES, slack: tuple[int, int] = NEAR_SIZE_SLACK
+        self,
+        lib: ctypes.CDLL,
+        cache_bound_bytes: int = CACHE_BOUND_BYTES,
+        slack: tuple[int, int] = NEAR_SIZE_SLACK,
+        growth_ceiling: int = GROWTH_CEILING,
     ) -> None:
         super().__init__(lib, CUDA_ALIGNMENT_BYTES)
         self.cache_bound_bytes = cache_bound_bytes
         self.slack = slack
-        self.set_cache_policy(cache_bound_bytes, slack)
+        self.growth_ceiling = growth_ceiling
+        self.set_held_cap(None)
+        self.set_cache_policy(cache_bound_bytes, slack, growth_ceiling)
 
-    def set_cache_policy(self, cache_bound_bytes: int, slack: tuple[int, int] = NEAR_SIZE_SLACK) -> None:
-        """The cache bound in bytes (-1: none) and the near-size slack ``(num, den)``: a cached
-        block of ``s`` bytes serves a request rounded to ``r`` when ``r <= s <= r + r * num / den``
-        (``(0, 1)``: the same size only)."""
-        self.lib.mp_cuda_set_cache_policy(int(cache_bound_bytes), int(slack[0]), int(slack[1]))
+    def set_cache_policy(
+        self, cache_bound_bytes: int, slack: tuple[int, int] = NEAR_SIZE_SLACK, growth_ceiling: int = GROWTH_CEILING
+    ) -> None:
+        """The cache bound in bytes (-1: none), the near-size slack ``(num, den)`` (a cached block
+        of ``s`` bytes serves a request rounded to ``r`` when ``r <= s <= r + r * num / den``;
+        ``(0, 1)``: the same size only) and the most the bound may grow by (-1: the most bytes in
+        use; 0: never). The growth starts over, and cached blocks above ``in_use + bound`` go back
+        to the device now."""
+        self.lib.mp_cuda_set_cache_policy(int(cache_bound_bytes), int(slack[0]), int(slack[1]), int(growth_ceiling))
+
+    def set_held_cap(self, cap_bytes: int | None) -> None:
+        """The most bytes the device may hold (``None``: no cap): cached blocks above it go back
+        now and before every new block; only bytes in use can take it over the cap."""
+        self.lib.mp_cuda_set_held_cap(-1 if cap_bytes is None else int(cap_bytes))
 
     def hold_cache_within(self, budget_bytes: int, placed_bytes: int) -> int:
-        """Under a budget: the cache bound lowered to what ``budget_bytes`` leaves above the placed
-        step (``placed_bytes``, or what is in use now if more: 512-byte rounding, tensors of the
-        caller), so that held <= placed step + bound <= budget; returns the bound."""
+        """Under a budget: the device holds at most ``budget_bytes`` from now on, cached blocks
+        above it given back at once (:meth:`set_held_cap`), and the cache bound is lowered to what
+        the budget leaves above the placed step (``placed_bytes``, or what is in use now if more:
+        512-byte rounding, tensors of the caller), so that held <= placed step + bound <= budget
+        while the step's bytes in use stay within it; returns the bound."""
+        self.set_held_cap(budget_bytes)
         in_use = max(int(placed_bytes), self.memory_stats().in_use)
         bound = max(0, min(self.cache_bound_bytes, int(budget_bytes) - in_use))
         self.cache_bound_bytes = bound
-        self.set_cache_policy(bound, self.slack)
+        self.set_cache_policy(bound, self.slack, self.growth_ceiling)
         return bound
+
+    def persistent_in_use(self, arena_bytes: int, kept_sizes: Sequence[int]) -> int:
+        """Bytes in use on the device besides the arena block (``arena_bytes``) and the kept
+        allocations of the step just recorded (``kept_sizes``, alive now): the parameters, the
+        optimizer's state, the caller's tensors and the libraries' own blocks (cuBLAS' workspace)
+        that a graph's count of persistent bytes does not see."""
+        kept = sum(aligned(max(int(n), 1), CUDA_ALIGNMENT_BYTES) for n in kept_sizes)
+        arena = aligned(int(arena_bytes), CUDA_ALIGNMENT_BYTES) if arena_bytes else 0
+        return max(0, self.memory_stats().in_use - arena - kept)
 
     def release_free_memory(self) -> None:
         """Give the cached (free) blocks back to the device."""
