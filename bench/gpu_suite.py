@@ -454,6 +454,8 @@ def _device_calls(device: str, native: Any) -> dict[str, Any] | None:
     if native is not None:
         s = native.memory_stats()
         counts = {"mallocs": s.raw_allocations, "frees": s.raw_frees, "near_hits": s.near_hits}
+        # growth/regrets: the cache bound growing by blocks it gave back and was then asked for
+        counts |= {"growth": s.growth, "regrets": s.regrets}
         return counts | {"evicted": s.evicted, "unknown_frees": s.unknown_frees}
     stats = torch.cuda.memory_stats()
     return {"mallocs": stats.get("num_device_alloc"), "frees": stats.get("num_device_free")}
