@@ -163,3 +163,27 @@ def test_an_unseen_kind_past_the_branches_falls_back_and_keeps_the_plan():
     step(third)
     step(third)
     assert not step.replaying  # two in a row: recorded again
+
+
+def test_or_tools_loads_after_the_allocator_in_this_process_and_in_a_forked_child():
+    """The allocator library was loaded RTLD_GLOBAL: its weak C++ template instantiations took
+    the place of later libraries' and OR-Tools' native module died loading (SIGSEGV), which
+    killed every solve in a forked child once OR-Tools was no longer imported before it."""
+    import subprocess
+    import sys
+
+    script = (
+        "import os, torch\n"
+        "from memplan.torch.run import allocator\n"
+        "assert allocator.available()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    from ortools.sat.python import cp_model\n"
+        "    cp_model.CpSolver().Solve(cp_model.CpModel())\n"
+        "    os._exit(0)\n"
+        "assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, 'the forked child died'\n"
+        "from ortools.sat.python import cp_model\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

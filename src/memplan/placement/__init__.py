@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from typing import Any
 
 from memplan.errors import MemplanError
 from memplan.placement.check import (
@@ -25,7 +26,6 @@ from memplan.placement.check import (
     placement_failures,
     validate_placement,
 )
-from memplan.placement.exact import solve_exact
 from memplan.placement.formats import (
     CsvInstance,
     PlacementFormatError,
@@ -49,6 +49,15 @@ from memplan.placement.problem import (
 )
 
 METHODS = ("auto", "heuristic", "exact")
+
+
+def solve_exact(problem: PlacementProblem, time_limit_seconds: float = 10.0, **options: Any) -> Placement:
+    """:func:`memplan.placement.exact.solve_exact`, imported on first use: it brings OR-Tools
+    (and pandas, through CP-SAT's helpers), about 57 MiB and a second of start-up that a training
+    process which only replays a plan never needs."""
+    from memplan.placement.exact import solve_exact as solve
+
+    return solve(problem, time_limit_seconds, **options)
 
 
 class UnknownMethod(MemplanError, ValueError):

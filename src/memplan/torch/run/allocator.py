@@ -118,11 +118,6 @@ def cache_dir() -> Path:
 def load() -> ctypes.CDLL:
     """Build (once, cached by source and torch version) and load the CPU allocator library, and
     install it as PyTorch's CPU allocator. Raises :class:`AllocatorUnavailable`."""
-    # OR-Tools' native module crashes when it is first imported after the allocator is
-    # installed (a segfault while loading it): load the placement solvers, which replay needs
-    # anyway, first
-    import memplan.placement  # noqa: F401
-
     torch_dir = Path(torch.__file__).parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     library = build_library(
@@ -135,7 +130,10 @@ def load() -> ctypes.CDLL:
         ],
         [f"-L{torch_dir / 'lib'}", "-lc10", f"-Wl,-rpath,{torch_dir / 'lib'}"],
     )
-    lib = ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
+    # RTLD_LOCAL: loaded globally, the library's weak C++ template instantiations (std::vector,
+    # std::unordered_map) took the place of those of libraries loaded after it, and OR-Tools'
+    # native module died while loading (SIGSEGV), in this process or in a solver's forked child
+    lib = ctypes.CDLL(str(library), mode=ctypes.RTLD_LOCAL)
     declare_replay_api(lib)
     lib.mp_install.restype = ctypes.c_int
     lib.mp_installed.restype = ctypes.c_int
