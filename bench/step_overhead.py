@@ -30,6 +30,8 @@ compare the ratios within one row.
     python bench/step_overhead.py --models mobilenet-v2 resnet50 --batches 1 --allocator views \
         --out bench/results/step_overhead_views.md                  # arena views (a GPU's default path)
     python bench/step_overhead.py --models mlp lstm --batches 1 --steps 10 --out /tmp/step_overhead.md
+    python bench/step_overhead.py --budget 0.65 0.86               # memory_budget rows (issue 33):
+        # writes bench/results/step_overhead_budget.md: plain replay vs the remat runner, interpreted / generated
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ WARMUP = 6
 PROFILED = 3
 SIDES = ("eager", "boxed", "bound")
 DEFAULT_OUT = ROOT / "bench" / "results" / "step_overhead.md"
+BUDGET_MODELS = ("mobilenet-v2", "resnet50")
+BUDGET_OUT = ROOT / "bench" / "results" / "step_overhead_budget.md"
+# (side, executor, budgeted): memplan without a budget, then the budget's remat runner both ways
+BUDGET_RUNS = (("plain", "generated", False), ("interpreted", "interpreted", True), ("generated", "generated", True))
+BUDGET_SIDES = ("eager", "plain", "interpreted", "generated")
 
 
 def child(model_name: str, batch: int, steps: int, threads: int, allocator: str, out: Path) -> None:
@@ -121,6 +128,107 @@ def child(model_name: str, batch: int, steps: int, threads: int, allocator: str,
         "profile": profile,
     }
     out.write_text(json.dumps(result, indent=1))
+
+
+def child_budget(
+    model_name: str, batch: int, steps: int, threads: int, allocator: str, budget: float, out: Path
+) -> None:
+    """One process: eager, memplan without a budget (*plain*), and memplan with
+    ``memory_budget=budget`` run by the remat runner as before issue 33 (*interpreted*) and now
+    (*generated*: the sequence written as one function, :mod:`memplan.torch.run.remat_codegen`).
+    Each memplan side trains its own copy of the model next to its own eager twin; both budgeted
+    sides run the same remat plan (the first solve's, handed to the second: the solver's time
+    limit makes two solves differ)."""
+    import dataclasses
+
+    import memplan.api  # OR-Tools before torch's extensions
+    import torch
+    from memplan.torch.compare import _eager_step
+    from memplan.torch.run import budget as budget_module
+    from memplan.torch.zoo import build_workload, make_optimizer
+
+    torch.set_num_threads(threads)
+    w = build_workload(model_name, batch, seed=0)
+    data = (w.inputs, w.target)
+    solve = budget_module.plan_budget
+    solved: list[Any] = []
+
+    def one_plan(*args: Any, **kwargs: Any) -> Any:
+        if not solved:
+            solved.append(solve(*args, **kwargs))
+        return dataclasses.replace(solved[0], report=dict(solved[0].report))
+
+    budget_module.plan_budget = one_plan
+    sides: dict[str, tuple[Any, Any, Any, Any]] = {}
+    for name, executor, budgeted in BUDGET_RUNS:
+        model, eager_model = copy.deepcopy(w.model), copy.deepcopy(w.model)
+        opt, eager_opt = make_optimizer("adam", model.parameters()), make_optimizer("adam", eager_model.parameters())
+        step = memplan.api.CompiledStep(
+            memplan.api.standard_step(model, opt, w.loss_fn),
+            model,
+            [opt],
+            allocator=allocator,
+            executor=executor,
+            memory_budget=budget if budgeted else None,
+        )
+        sides[name] = (model, eager_model, eager_opt, step)
+    seed = 0
+
+    def pair(name: str) -> tuple[tuple[float, float], tuple[float, float]]:
+        nonlocal seed
+        seed += 1
+        _, eager_model, eager_opt, step = sides[name]
+        torch.manual_seed(seed)
+        eager_seconds = _timed(lambda: _eager_step(w, eager_model, eager_opt))
+        torch.manual_seed(seed)
+        return eager_seconds, _timed(lambda: step(data))
+
+    for _ in range(WARMUP):
+        for name in sides:
+            pair(name)
+    seconds: dict[str, list[tuple[float, float]]] = {side: [] for side in BUDGET_SIDES}
+    for _ in range(steps):
+        for name in sides:
+            eager_s, memplan_s = pair(name)
+            seconds["eager"].append(eager_s)
+            seconds[name].append(memplan_s)
+    same = {
+        name: all(torch.equal(a, b) for a, b in zip(_state(model), _state(eager_model), strict=True))
+        for name, (model, eager_model, _, _) in sides.items()
+    }
+    profile = {name: _profiled(lambda step=sides[name][3]: step(data)) for name in ("plain", "generated")}
+    runners = {name: sides[name][3].runner_for(data) for name in sides}
+    report = sides["generated"][3].report.get("budget", {})
+    result = {
+        "model": model_name,
+        "batch": batch,
+        "threads": threads,
+        "budget": budget,
+        "allocator": sides["generated"][3].allocator,
+        "runner": type(getattr(runners["generated"], "run", runners["generated"])).__name__,
+        "steps": steps,
+        "method": report.get("method"),
+        "recomputed_ops": report.get("recomputed_ops"),
+        "overhead": report.get("overhead"),
+        "op_calls": {name: _calls_per_step(runners[name]) for name in ("plain", "generated")},
+        "cpu_seconds": {side: statistics.median(cpu for cpu, _ in t) for side, t in seconds.items()},
+        "wall_seconds": {side: statistics.median(wall for _, wall in t) for side, t in seconds.items()},
+        "bit_identical": same,
+        "profile": profile,
+    }
+    out.write_text(json.dumps(result, indent=1))
+
+
+def _calls_per_step(runner: Any) -> int:
+    """The op calls one step makes: a remat plan's runs (recomputes included), else the plan's calls."""
+    from memplan.torch.run.interpreter import _Call
+
+    base = getattr(runner, "run", runner)
+    steps = getattr(base, "steps", None)
+    if steps is not None:
+        calls = {base.plan.order[ins.position] for ins in base.instructions if isinstance(ins, _Call)}
+        return sum(1 for kind, i in steps if kind == "run" and i in calls)
+    return sum(1 for ins in base.instructions if isinstance(ins, _Call))
 
 
 def _same_call_before(traced: Any, func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
@@ -195,20 +303,36 @@ def _nested(event: Any) -> bool:
     return False
 
 
-def parent(models: list[str], batches: list[int], steps: int, threads: int, allocator: str, out: Path) -> None:
+def parent(
+    models: list[str],
+    batches: list[int],
+    steps: int,
+    threads: int,
+    allocator: str,
+    out: Path,
+    budgets: list[float] | None = None,
+) -> None:
     rows: list[dict[str, Any]] = []
-    for model in models:
+    for m, model in enumerate(models):
+        budget = None if budgets is None else budgets[min(m, len(budgets) - 1)]
         for batch in batches:
             with tempfile.TemporaryDirectory() as folder:
                 target = Path(folder) / "row.json"
-                options = map(str, (batch, steps, threads, allocator, target))
+                options = [str(o) for o in (batch, steps, threads, allocator, target)]
                 command = [sys.executable, __file__, "--child", model, *options]
+                if budget is not None:
+                    command = [sys.executable, __file__, "--budget-child", model, *options, str(budget)]
                 done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
                 if done.returncode != 0 or not target.exists():
                     tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
                     rows.append({"model": model, "batch": batch, "failed": tail[0]})
                 else:
                     rows.append(json.loads(target.read_text()))
+            if budget is not None:
+                print(_budget_row(rows[-1]), flush=True)
+                out.write_text(_budget_markdown(rows, models, batches, steps, threads, allocator, budgets, out))
+                out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+                continue
             print(_row(rows[-1]), flush=True)
             out.write_text(_markdown(rows, models, batches, steps, threads, allocator, out))
             out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
@@ -280,20 +404,111 @@ def _markdown(
     return "\n".join(lines)
 
 
+BUDGET_HEADER = (
+    "| model | batch | budget | plan | op calls plain / budget | eager ms | plain ms | budget ms, interpreted "
+    "| budget ms, generated | interpreted / plain | generated / plain | generated / eager | wall generated / plain "
+    "| outside ops ms plain / generated | us/op plain / generated | optimizer.step() calls plain / generated "
+    "| bit-identical plain / interpreted / generated |\n"
+    "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|"
+)
+
+
+def _budget_row(r: dict[str, Any]) -> str:
+    if "failed" in r:
+        return f"| {r['model']} | {r['batch']} | failed: {r['failed']} |" + " |" * 14
+    s, wall, p, calls = r["cpu_seconds"], r["wall_seconds"], r["profile"], r["op_calls"]
+    plan = f"{r['method']}, {r['recomputed_ops']} recomputed, +{100 * (r['overhead'] or 0):.2f}% compute"
+    outside = " / ".join(f"{p[side]['outside_ops_s'] * 1e3:.1f}" for side in ("plain", "generated"))
+    per_op = " / ".join(f"{p[side]['outside_us_per_op']:.1f}" for side in ("plain", "generated"))
+    same = " / ".join("yes" if r["bit_identical"][side] else "NO" for side in BUDGET_SIDES[1:])
+    return (
+        f"| {r['model']} ({r['allocator']}, {r['runner']}) | {r['batch']} | {r['budget']:g} | {plan} "
+        f"| {calls['plain']} / {calls['generated']} | {s['eager'] * 1e3:.1f} | {s['plain'] * 1e3:.1f} "
+        f"| {s['interpreted'] * 1e3:.1f} | {s['generated'] * 1e3:.1f} | {s['interpreted'] / s['plain']:.3f} "
+        f"| {s['generated'] / s['plain']:.3f} | {s['generated'] / s['eager']:.3f} "
+        f"| {wall['generated'] / wall['plain']:.3f} | {outside} | {per_op} "
+        f"| {p['plain']['optimizer_calls']:.0f} / {p['generated']['optimizer_calls']:.0f} | {same} |"
+    )
+
+
+def _budget_markdown(
+    rows: list[dict[str, Any]],
+    models: list[str],
+    batches: list[int],
+    steps: int,
+    threads: int,
+    allocator: str,
+    budgets: Any,
+    out: Path,
+) -> str:
+    command = f"python bench/step_overhead.py --budget {' '.join(f'{b:g}' for b in budgets)}"
+    if list(models) != list(BUDGET_MODELS) or list(batches) != [1] or steps != 10 or threads != 1:
+        command += (
+            f" --models {' '.join(models)} --batches {' '.join(map(str, batches))} --steps {steps} --threads {threads}"
+        )
+    if allocator != "auto":
+        command += f" --allocator {allocator}"
+    if out.resolve() != BUDGET_OUT:
+        command += f" --out {os.path.relpath(out.resolve(), ROOT)}"
+    lines = [
+        "# Host time per step under a memory budget: the remat runner vs the plain replayed step (issue 33)",
+        "",
+        "Written by:",
+        "",
+        f"    {command}",
+        "",
+        f"On the CPU, {threads} thread(s), Adam (single-tensor), each model in its own process. *plain*: memplan "
+        "without a budget; *budget*: the `memory_budget` (a fraction of the checkpoint-all peak) of the row, one remat "
+        "plan (*plan*: its recomputed ops and the compute they add) run by the remat runner as before issue 33's "
+        "host-time work (*interpreted*: the step sequence walked step by step, each argument tree resolved with "
+        "pytree, each free looked up and dropped by walking its holders' values) and now (*generated*: the sequence "
+        "written once as one Python function, each op through its proven Python binding, each free a `del`, "
+        "`memplan.torch.run.remat_codegen`). Each memplan side trains its own copy of the model next to its own "
+        f"eager twin, reseeded alike before each step. Step times are this thread's CPU time, medians of {steps} "
+        "interleaved rounds after 6 warm-up steps (*wall*: the same with wall time). *op calls*: the ops one step "
+        "calls (a remat plan's recomputes included). *outside ops*: a profiled step's wall time outside the "
+        "top-level ATen ops, median of 3 (the profiler's own cost included); *us/op*: that per top-level op. "
+        "*optimizer.step() calls*: a profiled step's (the generated remat step merges updates with only frees "
+        "between them into one call while that does not raise the plan's modeled peak). "
+        "*bit-identical*: each side's model holds its eager twin's bits after all its steps. The machine is shared "
+        "and busy: the figures are noisy, compare ratios within a row.",
+        "",
+        BUDGET_HEADER,
+        *(_budget_row(r) for r in rows),
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         model, batch, steps, threads, allocator, out = sys.argv[2:8]
         child(model, int(batch), int(steps), int(threads), allocator, Path(out))
         return
+    if len(sys.argv) > 1 and sys.argv[1] == "--budget-child":
+        model, batch, steps, threads, allocator, out, budget = sys.argv[2:9]
+        child_budget(model, int(batch), int(steps), int(threads), allocator, float(budget), Path(out))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS))
-    parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
+    parser.add_argument("--models", nargs="+", default=None)
+    parser.add_argument("--batches", nargs="+", type=int, default=None)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--allocator", default="auto", choices=["auto", "replay", "views"])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--budget",
+        type=float,
+        nargs="+",
+        default=None,
+        help="memory_budget rows (one fraction, or one per model): plain vs the remat runner, both executors",
+    )
     args = parser.parse_args()
-    parent(args.models, args.batches, args.steps, args.threads, args.allocator, args.out)
+    budgeted = args.budget is not None
+    models = args.models or list(BUDGET_MODELS if budgeted else MODELS)
+    batches = args.batches or ([1] if budgeted else list(BATCHES))
+    out = args.out or (BUDGET_OUT if budgeted else DEFAULT_OUT)
+    parent(models, batches, args.steps, args.threads, args.allocator, out, args.budget)
 
 
 if __name__ == "__main__":

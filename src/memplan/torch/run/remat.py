@@ -11,6 +11,10 @@ at a time, exactly as :class:`memplan.torch.runtime.StepRunner` does; release op
 A recompute of a training-mode batch norm is given no running statistics: the output equals
 the first run's bitwise and the statistics are updated once per step, as in eager PyTorch
 (:func:`memplan.remat.problem.recompute_skips_mutation`). Random ops are never recomputed.
+
+What this interpreter decides per step is fixed by the sequence, so by default the sequence is
+written once as one Python function (:mod:`memplan.torch.run.remat_codegen`, issue 33: the
+budgeted step's host time); ``executor="interpreted"`` keeps this loop, the reference.
 """
 
 from __future__ import annotations
@@ -69,8 +73,12 @@ class RematRunner(StepRunner):
         steps: Sequence[Step],
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
+        *,
+        executor: str = "generated",
     ) -> None:
-        super().__init__(capture, Plan(first_run_order(steps)), model, optimizer, reuse_dying_inputs=False)
+        super().__init__(
+            capture, Plan(first_run_order(steps)), model, optimizer, reuse_dying_inputs=False, executor=executor
+        )
         self.steps = list(steps)
         self.by_op = {self.plan.order[ins.position]: ins for ins in self.instructions}
         self.holders = self._holders()
@@ -90,8 +98,15 @@ class RematRunner(StepRunner):
 
     @torch.no_grad()
     def run_step(self, batch: Any) -> Any:
+        """One step: the sequence written once as one function (:mod:`memplan.torch.run.remat_codegen`)
+        by default, else interpreted step by step (the reference; and for a subclass that times
+        each op, whose own ``_run`` the generated function would not call)."""
         env: dict[str, Any] = {}
         self._bind_inputs(env, batch)
+        if self.executor == "generated" and type(self)._run is RematRunner._run:
+            generated = self.generated_step()
+            self.recomputes = generated.static_stats["recomputes"]
+            return self._finish(generated.function(env, self))
         ran: set[int] = set()
         deferred: dict[str, list[int]] = {}  # grad node -> frees waiting for its parameter's update
         pending = {n.name for ins in self.instructions if isinstance(ins, _Update) for n in ins.grad_nodes}
@@ -111,6 +126,14 @@ class RematRunner(StepRunner):
                 env[ins.node.name] = self._run(ins, env, recompute=i in ran)
             ran.add(i)
         return self._result(env)
+
+    def generated_step(self) -> Any:
+        """The step sequence written as one function (generated once, on first use)."""
+        if self._generated is None:
+            from memplan.torch.run.remat_codegen import generate_remat
+
+            self._generated = generate_remat(self)
+        return self._generated
 
     def _run(self, ins: _Call, env: dict[str, Any], recompute: bool) -> Any:
         args, kwargs = _resolve((ins.node.args, ins.node.kwargs), env)
