@@ -6,7 +6,8 @@ loss / parameters after N steps against the same step run eagerly (max abs diff)
 
 The peaks are counted as the runtime holds memory: an update group is one call of the user's
 AdamW with the gradient held as ``.grad`` for the whole call, so the lm_head's 125 MiB gradient is
-resident while its update allocates two 125 MiB temporaries (``memplan.torch.run.budget.held_graph``).
+resident while its update allocates two 125 MiB temporaries: capture makes it an input of every op
+of its update group (``memplan.torch.capture.trace.hold_update_inputs``), so the reorderer plans for it.
 Remat keeps the reordered plan's stage order (``memplan.remat.portfolio.solve_remat_in_order``).
 
     python bench/llama_budget.py --budgets 1.85GiB,1.8GiB,1.75GiB,1.7GiB,1.6GiB,1.55GiB --steps 3 \
@@ -24,7 +25,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import memplan
 import torch
 from memplan.errors import MemplanError
 from memplan.report.format import format_bytes
@@ -39,8 +39,17 @@ def llama(seed: int = 0):
 
 
 def run(budget: str, steps: int, time_limit: float) -> dict:
-    """One budget, in a process of its own (see :func:`main`): its peak RSS is this budget's."""
+    """One budget, in a process of its own (see :func:`main`): its peak RSS is this budget's.
+
+    The OS's account: ``outside_before`` is what the process holds outside the step's own tensors
+    just before ``compile_step`` (the interpreter, torch, transformers, memplan's imports, the
+    model's Python objects: RSS with the C heap's free pages handed back, less the bytes of the
+    parameters and batch); the step as the OS measured it is the peak RSS less that, the number
+    a budget can hold. ``memplan_own``: what capture and planning left resident outside the
+    step (the same account, after the first call planned)."""
     import transformers  # noqa: F401  (its libraries resident before the baseline is read)
+
+    from memplan.api import compile_step  # a library of the step: OR-Tools and pandas come with it
 
     row: dict = {"budget": budget, "steps": steps, "time_limit_s": time_limit}
     row["libraries_rss_bytes"] = rss_bytes()  # the process before the model: interpreter, torch, transformers
@@ -48,10 +57,13 @@ def run(budget: str, steps: int, time_limit: float) -> dict:
     model = w.model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = (w.inputs, w.target)
+    row["outside_before_bytes"] = _outside_step(model, opt, batch)
     reset_peak_rss()
     start = time.perf_counter()
     try:
-        step = memplan.compile_step(model, opt, w.loss_fn, batch, memory_budget=budget, time_limit_seconds=time_limit)
+        step = compile_step(model, opt, w.loss_fn, batch, memory_budget=budget, time_limit_seconds=time_limit)
+        row["planning_peak_rss_bytes"] = peak_rss_bytes()
+        row["memplan_own_bytes"] = _outside_step(model, opt, batch) - row["outside_before_bytes"]
         losses = [step(batch) for _ in range(steps)]
     except MemplanError as err:
         row.update(outcome="refused", message=str(err), seconds=round(time.perf_counter() - start, 1))
@@ -59,6 +71,7 @@ def run(budget: str, steps: int, time_limit: float) -> dict:
     row["seconds"] = round(time.perf_counter() - start, 1)
     row["peak_rss_bytes"] = peak_rss_bytes()
     row["rss_above_libraries_bytes"] = row["peak_rss_bytes"] - row["libraries_rss_bytes"]
+    row["step_peak_os_bytes"] = row["peak_rss_bytes"] - row["outside_before_bytes"]
     report = step.report.get("budget", {})
     row.update(
         outcome="trained",
@@ -73,6 +86,7 @@ def run(budget: str, steps: int, time_limit: float) -> dict:
         stage_order=report.get("stage_order", "-"),
         recomputed_ops=report.get("recomputed_ops"),
     )
+    row["held"] = row["step_peak_os_bytes"] <= row["budget_bytes"]
     reference = llama()  # the same seed: the same initial parameters and batch, built after memplan's peak
     eager_model = reference.model
     eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-3)
@@ -92,34 +106,51 @@ def run(budget: str, steps: int, time_limit: float) -> dict:
     return row
 
 
+def _outside_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: object) -> int:
+    """RSS (the C heap's free pages handed back) less the step's tensors already allocated."""
+    from memplan.torch.rss import release_free_memory
+    from memplan.torch.run.fit import step_tensor_bytes
+
+    release_free_memory()
+    return rss_bytes() - step_tensor_bytes(model, [optimizer], batch, torch.device("cpu"))
+
+
 def markdown(rows: list[dict], command: str) -> str:
     lines = [
         "# Llama-style decoder (0.12B, 4 layers, hidden 1024), AdamW, batch 1 x 512, under a memory_budget",
         "",
-        f"`{command}` (each budget in a process of its own; peak RSS from the model's creation on, and above "
-        "the process's RSS before the model: the interpreter, torch and transformers).",
+        f"`{command}` (each budget in a process of its own; peak RSS from the model's creation on; libraries: the "
+        "process before the model: the interpreter, torch, transformers and memplan.api, which brings OR-Tools "
+        "and pandas). Seconds: on a shared 2-core machine, noisy.",
         "",
         "Peaks count each gradient until its optimizer call ends (the runtime holds it as `.grad` for the "
-        "call): the reordered plan peaks at the lm_head's AdamW update (its gradient and two temporaries "
-        "as large, 375 MiB), a memory floor no recomputation goes below (the refusals name it). "
+        "call; capture makes it an input of every op of its update group, so the reorderer sees it too). "
         "Planned: the plan's live bytes; placed: persistent bytes + the arena placed from the recorded "
-        "allocations, held to the budget. Stages: the order remat's first runs keep.",
+        "allocations, held to the budget. Stages: the order remat's first runs keep. "
+        "The OS's account: *outside*: what the process held outside the step's tensors just before "
+        "`compile_step` (RSS with free heap pages handed back, less the parameters and batch: the "
+        "interpreter, torch, transformers, memplan's imports, the model's Python objects); *step as the "
+        "OS measured it*: peak RSS less *outside*, held when within the budget; *memplan's own*: what "
+        "capture and planning left resident outside the step (the same account after planning).",
         "",
         "| budget | outcome | method | stages | status | planned peak | placed peak | overhead | recomputed ops "
-        "| reordered peak | checkpoint-all | peak RSS (above the libraries) | max abs diff (loss, params) "
-        "| seconds (plan + steps) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| reordered peak | checkpoint-all | peak RSS (above the libraries) | outside | memplan's own "
+        "| step as the OS measured it | max abs diff (loss, params) | seconds (plan + steps) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r["outcome"] == "refused":
-            lines.append(f"| {r['budget']} | refused: {r['message']} | | | | | | | | | | | | {r['seconds']} |")
+            lines.append(f"| {r['budget']} | refused: {r['message']} |" + " |" * 15 + f" {r['seconds']} |")
             continue
         b = {k: format_bytes(r[k]) if r.get(k) else "-" for k in r if k.endswith("_bytes")}
+        held = "" if "held" not in r else (" (held)" if r["held"] else " (**over**)")
         lines.append(
             f"| {r['budget']} | trained {r['steps']} steps | {r['method']} | {r['stage_order']} | {r['status']} "
             f"| {b['planned_peak_bytes']} | {b['placed_peak_bytes']} | {100 * (r['overhead'] or 0):+.2f}% "
             f"| {r['recomputed_ops']} | {b['plain_planned_peak_bytes']} "
             f"| {b['checkpoint_all_peak_bytes']} | {b['peak_rss_bytes']} ({b['rss_above_libraries_bytes']}) "
+            f"| {b.get('outside_before_bytes', '-')} | {b.get('memplan_own_bytes', '-')} "
+            f"| {b.get('step_peak_os_bytes', '-')}{held} "
             f"| {r['max_abs_diff_loss']:g}, {r['max_abs_diff_params']:g} | {r['seconds']} |"
         )
     return "\n".join(lines) + "\n"

@@ -194,7 +194,51 @@ def capture_step(
     capture.scaler = scaler
     capture.batch_constants = batch_constants(flat)
     capture.mask_guards = mask_guards
+    if capture.regions:
+        capture.graph = hold_update_inputs(capture)
     return capture
+
+
+def hold_update_inputs(capture: Capture) -> Graph:
+    """``capture.graph`` with each update group's inputs held until the group's last op, as the
+    runtime holds them (OLLA eq. 1's liveness, with the runtime's reads): a group runs as one
+    call of the user's optimizer with its gradients set as ``.grad`` for the whole call
+    (:mod:`memplan.torch.run.updates`), so a gradient stays resident past its last traced read
+    while the call allocates its temporaries (AdamW reads a gradient in ``lerp_`` and
+    ``addcmul_``, then makes ``sqrt`` and ``div`` as large as the parameter). Each tensor a group
+    reads from outside its call (non-persistent, with bytes; not a constant the call makes
+    itself, such as ASGD's ``lift_fresh_copy``) becomes an input of every later op of the group,
+    so every consumer of the graph (reorder, placement, remat, the reports) counts the bytes the
+    runtime holds. The groups are unchanged (the added reads are the group's own)."""
+    from memplan.torch.run.updates import update_groups  # the runtime's grouping, one definition
+
+    graph = capture.graph
+    ops = list(graph.ops)
+    try:
+        groups = update_groups(capture)
+    except UnsupportedOp:  # a step the planner refuses in one line with this very reason when it plans it
+        return graph
+    producer = {t: v for v, op in enumerate(graph.ops) for t in op.outputs}
+    made_in: dict[int, set[TensorId]] = {}  # call -> what its ops make (a call makes these again itself)
+    for v, region in enumerate(capture.op_region):
+        made_in.setdefault(region, set()).update(graph.ops[v].outputs)
+    for group in groups:
+        made = made_in.get(group.region, set())
+        held = dict.fromkeys(
+            t
+            for v in group.ops
+            for t in graph.ops[v].inputs
+            if t not in made and graph.tensors[t].size_bytes and not graph.tensors[t].persistent
+        )
+        for v in group.ops:
+            extra = tuple(t for t in held if t not in ops[v].inputs and producer.get(t, -1) < v)
+            if extra:
+                ops[v] = dataclasses.replace(ops[v], inputs=ops[v].inputs + extra)
+    if tuple(ops) == graph.ops:
+        return graph
+    held_graph = Graph(tuple(ops), graph.tensors, graph.name, dict(graph.meta))
+    validate_graph(held_graph)
+    return held_graph
 
 
 def batch_constants(flat: Sequence[Any]) -> dict[int, Any]:

@@ -24,11 +24,12 @@ the smallest peak there is; a step the remat runner cannot run is refused in one
 
 Two things make the budget hold at LLM sizes (issue 33, ``bench/llama_budget.py``): every peak
 is counted as the runtime holds memory, each gradient until its optimizer call ends
-(:func:`held_graph`; the Llama's 125 MiB lm_head gradient was the whole gap between the
-reordered plan's 1.69 GiB and its placed 1.81 GiB), and remat keeps the reordered plan's stage order
-(:func:`memplan.remat.portfolio.solve_remat_in_order`): checkpoint-all is then the reordered plan,
-and the greedy at the peak (:func:`memplan.remat.baselines.peak_greedy`) takes it down to the
-budget, where in program order the search started from checkpoint-all's 1.99 GiB instead of 1.81 GiB.
+(:func:`memplan.torch.capture.trace.hold_update_inputs`; the Llama's 125 MiB lm_head gradient
+was the whole gap between the reordered plan's 1.69 GiB and its placed 1.81 GiB), and remat keeps
+the reordered plan's stage order (:func:`memplan.remat.portfolio.solve_remat_in_order`):
+checkpoint-all is then the reordered plan, and the greedy at the peak
+(:func:`memplan.remat.baselines.peak_greedy`) takes it down to the budget, where in program
+order the search started from checkpoint-all's 1.99 GiB instead of 1.81 GiB.
 ``memory_budget="fit"`` is the limit of the process (:mod:`memplan.torch.run.fit`).
 
 The budget holds from the first call (issue 33), not only once the step replays: the kernels'
@@ -52,7 +53,6 @@ from typing import Any
 
 import torch
 from memplan.errors import InfeasibleBudget, MemplanError
-from memplan.graph.liveness import peak_bytes
 from memplan.isolate import in_child
 from memplan.report.format import format_bytes
 from memplan.torch.capture import Capture
@@ -217,7 +217,48 @@ def plan_budget(
         raise InfeasibleBudget(f"{fit.describe()}; {err}") from None
     if fit is not None:
         decided.report["limit"] = fit.as_report()
+    elif memory_budget is not None and all(p.device.type == "cpu" for p in model.parameters()):
+        decided.report["process"] = check_process_room(decided.report["planned_peak_bytes"], model, optimizer, batch)
     return decided
+
+
+def check_process_room(
+    planned_peak_bytes: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    limit: tuple[int, str] | None = None,
+) -> dict[str, int | str]:
+    """The step's peak as the operating system will measure it, checked before the step runs
+    (CPU): what the process holds outside the step's tensors now (its resident set, the C
+    heap's free pages handed back, less the parameters, state and batch it holds: the
+    interpreter, the libraries, memplan's capture and plan) plus the planned peak. Above what
+    the process may use (``limit``: ``(bytes, source)``, default the cgroup limit or the
+    machine's available memory, :func:`memplan.torch.run.fit.cpu_limit`) the step could only be
+    killed, so it is refused in one line naming the budget that fits; else the account is
+    returned for the report. The Llama of ``bench/llama_budget.py`` (1.85 GiB) held 403 MiB
+    outside its step before ``compile_step`` and 46 MiB more once planned (capture's objects,
+    the kernels' first runs); its peak RSS less the 403 MiB was 1.72 GiB, its plan 1.68 GiB."""
+    from memplan.torch.rss import release_free_memory, rss_bytes
+    from memplan.torch.run.fit import cpu_limit, margin_for, step_tensor_bytes
+
+    release_free_memory()
+    rss = rss_bytes()
+    outside = max(0, rss - step_tensor_bytes(model, [optimizer], batch, torch.device("cpu")))
+    predicted = outside + planned_peak_bytes
+    try:
+        limit_bytes, source = cpu_limit(rss) if limit is None else limit
+    except InfeasibleBudget:  # no cgroup limit and no /proc/meminfo: nothing to check against
+        return {"outside_bytes": outside, "predicted_peak_rss_bytes": predicted}
+    if predicted > limit_bytes:
+        room = limit_bytes - outside - margin_for(limit_bytes, "cpu")
+        raise InfeasibleBudget(
+            f"the planned peak {format_bytes(planned_peak_bytes)} and the {format_bytes(outside)} this process holds "
+            f"outside the step need {format_bytes(predicted)}, above the {format_bytes(limit_bytes)} it may use "
+            f"({source}): lower memory_budget to at most {format_bytes(max(0, room))} or give memory_budget='fit'"
+        )
+    account = {"outside_bytes": outside, "predicted_peak_rss_bytes": predicted}
+    return {**account, "limit_bytes": limit_bytes, "source": source}
 
 
 def _plan_budget(
@@ -241,8 +282,6 @@ def _plan_budget(
 
     graph = held_graph(capture)
     reorder = joint_reorder and not any(is_random(op.kind) for op in graph.ops)
-    if plain_order is not None:  # the reordered plan's peak as the runtime holds memory (see held_graph)
-        plain_peak_bytes += peak_bytes(graph, plain_order) - peak_bytes(capture.graph, plain_order)
 
     def budget_for(reference_bytes: int) -> int | None:
         if fit_bytes is not None:
@@ -286,17 +325,13 @@ def _plan_budget(
 
 
 def held_graph(capture: Capture) -> Any:
-    """``capture.graph`` as the budget path plans it, as the runtime runs it:
+    """``capture.graph`` as the budget path plans it, as the runtime runs it. Each update
+    group's gradients are held until the group's last op by capture itself
+    (:func:`memplan.torch.capture.trace.hold_update_inputs`: the runtime holds them as ``.grad``
+    for the whole optimizer call; the Llama of ``bench/llama_budget.py``: the lm_head's 125 MiB
+    gradient beside AdamW's two temporaries as large), so the reordered plan's peak is already
+    the runtime's. Here:
 
-    * an update group runs as one call of the user's optimizer with the gradients set as
-      ``.grad`` for the whole call (:meth:`memplan.torch.run.interpreter.StepRunner._update_with`),
-      so what a group reads from outside it (its gradients) stays resident until its last op,
-      not only until its last traced read (AdamW reads a gradient in ``lerp_`` and ``addcmul_``,
-      then allocates ``sqrt`` and ``div`` as large as the parameter while the call still holds
-      it): each such tensor is made an input of every op of the group. The Llama of
-      ``bench/llama_budget.py``: the lm_head's 125 MiB gradient, the whole gap between the
-      reordered plan's live bytes (1.69 GiB) and its placed arena (1.81 GiB), which the
-      placement had packed optimally;
     * an op PyTorch tags ``nondeterministic_seeded`` (it may draw from the generator: CPU
       ``_scaled_dot_product_flash_attention_for_cpu``, for its dropout) is random to the
       self-check (:mod:`memplan.torch.run.selfcheck`), which refuses a step that runs it more
@@ -306,7 +341,6 @@ def held_graph(capture: Capture) -> Any:
       after a plan recomputed its attention)."""
     from memplan.graph.ir import Graph
     from memplan.remat.problem import is_random
-    from memplan.torch.run.interpreter import optimizer_update_groups
     from memplan.torch.tensors import is_random as seeded
 
     graph = capture.graph
@@ -315,19 +349,6 @@ def held_graph(capture: Capture) -> Any:
     for v, name in enumerate(capture.node_of_op):
         if name in targets and seeded(targets[name]) and not is_random(ops[v].kind):
             ops[v] = replace(ops[v], kind=ops[v].kind + RANDOM_KIND_SUFFIX)
-    groups = optimizer_update_groups(capture) if capture.mode == "train" else []
-    for group in groups:
-        made = {t for v in group for t in graph.ops[v].outputs}
-        held = dict.fromkeys(
-            t
-            for v in group
-            for t in graph.ops[v].inputs
-            if t not in made and graph.tensors[t].size_bytes and not graph.tensors[t].persistent
-        )
-        for v in group:
-            extra = tuple(t for t in held if t not in ops[v].inputs)
-            if extra:
-                ops[v] = replace(ops[v], inputs=ops[v].inputs + extra)
     if tuple(ops) == graph.ops:
         return graph
     return Graph(tuple(ops), graph.tensors, graph.name, dict(graph.meta))
@@ -554,6 +575,8 @@ class BudgetedReplay(ReplayedStep):
         self.persistent_bytes = persistent_bytes
         self.report = report
         self.report["placement_rounds"] = []
+        if decided.report.get("budget_bytes") is not None:  # the device holds at most the budget from the first step
+            self.native.hold_cache_within(decided.report["budget_bytes"], 0)
 
     def _record(self, batch: Any) -> Any:
         """A recording step on the ordinary allocator, its large blocks mapped on their own so
@@ -565,8 +588,11 @@ class BudgetedReplay(ReplayedStep):
         super()._plan(trace)
         assert self.plan is not None and self.placement is not None
         budget = self.decided.report["budget_bytes"]
-        outside = sum(size for size, end in zip(trace.sizes, trace.free_at, strict=True) if end is None)
-        placed = self.persistent_bytes + self.arena_block_bytes + outside
+        kept = [size for size, end in zip(trace.sizes, trace.free_at, strict=True) if end is None]
+        outside = sum(kept)
+        # on a GPU, what the device holds in use besides the step (cuBLAS' workspace, rounding), if more
+        device = self.native.persistent_in_use(self.shared.tensor.numel(), kept)
+        placed = max(self.persistent_bytes, device or 0) + self.arena_block_bytes + outside
         rounds = self.report["placement_rounds"]
         rounds.append(
             {
@@ -725,6 +751,7 @@ __all__ = [
     "BudgetPlan",
     "BudgetedReplay",
     "RematUnsupported",
+    "check_process_room",
     "check_remat_supported",
     "measure_op_workspace",
     "parse_memory_budget",
