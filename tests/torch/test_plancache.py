@@ -126,6 +126,21 @@ def test_an_entry_whose_offsets_overlap_is_replaced_never_run(tmp_path):
     _same_as_eager(losses, state, 3)
 
 
+def test_a_cached_placement_that_overlaps_in_a_branch_is_solved_again_never_run(tmp_path):
+    """The plan is valid, only the placed recording's offsets are not: the per-branch validation
+    of the preload (what the allocator relies on) refuses them before any step runs on them."""
+    _planned(tmp_path, 2)
+    path = _entry(tmp_path)
+    entry = json.loads(path.read_text())
+    entry["replay"]["offsets"] = [[i, 0] for i, _ in entry["replay"]["offsets"]]  # every buffer at offset 0
+    path.write_text(json.dumps(entry))
+    with pytest.warns(PlanCacheWarning, match="holds an invalid placement"):
+        compiled, losses, state = _planned(tmp_path, 3)
+    first = compiled.report["first_steps"]
+    assert first["plan"] == "cached" and first["placement"] == "solved" and first["replayed_at_call"] == 3
+    _same_as_eager(losses, state, 3)
+
+
 def test_a_stale_trace_only_makes_the_step_finish_on_the_allocator_then_record_again(tmp_path):
     _planned(tmp_path, 2)
     path = _entry(tmp_path)

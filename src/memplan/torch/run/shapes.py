@@ -231,8 +231,7 @@ class ShapeReplay(ReplayedStep):
         if offsets is None:
             return False
         start = time.perf_counter()
-        self._previous = None
-        self.native.release_free_memory()
+        self._previous = None  # _record gave the recording's freed blocks back just before (_plan's only caller)
         self.shared.reserve(self.native.arena_block_bytes(arena_bytes))
         self.plan = branched_plan(build_trie([trace]), offsets, arena_bytes)
         self.traces = [trace]
