@@ -1,14 +1,17 @@
-"""memplan's planned FSDP2 step vs eager FSDP2 (``fully_shard``): spawned gloo ranks, CPU.
+"""memplan's planned FSDP2 step vs eager FSDP2 (``fully_shard``) and eager FSDP2 with every block under
+``torch.utils.checkpoint``: spawned gloo ranks, CPU.
 
 For each model, the blocks and the root are ``fully_shard``-ed (FSDP2's defaults: blocks reshard
-after forward, the root does not), with AdamW. One spawned job trains every rank with memplan and
-with eager FSDP2 from the same seed, compares the loss, every gathered parameter and every
-optimizer state tensor after every step, and measures the last step with the profiler's
-allocator events; then one job per variant measures the process's peak RSS (VmHWM, reset just
-before a steady step) of that variant alone.
+after forward, the root does not), with AdamW. One spawned job trains every rank with memplan, with
+eager FSDP2 and with eager FSDP2 + checkpoint-per-block from the same seed, compares the loss, every
+gathered parameter and every optimizer state tensor after every step, and measures the last step
+with the profiler's allocator events; then one job per variant measures the process's peak RSS
+(VmHWM, reset just before a steady step) of that variant alone.
 
-    python bench/fsdp.py                     # writes bench/results/fsdp.md (+ .json)
-    python bench/fsdp.py --models mlp        # a quick run
+    python bench/fsdp.py                     # every model: writes bench/results/fsdp.md (+ .json)
+    python bench/fsdp.py --models llama      # one row (re)measured; the others kept from the .json
+    python bench/fsdp.py --budget 0.7        # memplan under memory_budget=0.7 vs FSDP2 + checkpoint:
+                                             # bench/results/fsdp_budget.md (+ .json), model mlp-wide
 """
 
 from __future__ import annotations
@@ -25,55 +28,202 @@ from memplan.report.format import format_bytes
 from memplan.torch.distributed import fsdp_compare as fc
 
 RESULTS = Path(__file__).parent / "results"
-STEPS = {"mlp": 5, "gpt2-2l": 3}
+VARIANTS = ("memplan", *fc.EAGER_VARIANTS)
+LLAMA_TOKENS = 128
+MODELS: dict[str, dict[str, Any]] = {
+    "mlp": {"batch": 64, "about": "4 blocks of Linear(1003) + GELU (uneven shards), batch 64"},
+    "gpt2-2l": {"batch": 2, "about": "HF GPT-2 with 2 layers (zoo `gpt2-2l`), 2 x 128 tokens, tied embedding"},
+    "gpt2": {
+        "batch": 1,
+        "about": "HF GPT-2 small from its config (zoo `gpt2`: 12 layers, hidden 768, vocab 50257, tied embedding), "
+        "1 x 128 tokens",
+    },
+    "llama": {
+        "batch": 2,
+        "about": "HF LlamaForCausalLM from a small config (RMSNorm, RoPE, SwiGLU, grouped-query attention): 4 "
+        "layers, hidden 512, intermediate 1376, 8 heads, 4 KV heads, vocab 32000 (untied), 2 x 128 tokens",
+    },
+}
+BUDGET_MODELS: dict[str, dict[str, Any]] = {
+    "mlp-wide": {
+        "batch": 2048,
+        "about": "4 blocks of Linear(259) + GELU, batch 2048: the activations outweigh the weights",
+    },
+}
+STEPS = 5
+BUDGET_TIME_LIMIT = 5.0  # solver seconds per stage of the budgeted plan (the remat portfolio)
 
 
 def workload(model: str) -> tuple[Any, Any, Any]:
     """``(build(seed), batch, loss_fn)`` of a bench model on this rank."""
-    rank = dist.get_rank()
+    rank, batch = dist.get_rank(), {**MODELS, **BUDGET_MODELS}[model]["batch"]
+    if model == "mlp-wide":
+        return (lambda seed: fc.mlp(seed, width=256, depth=4)), fc.mlp_batch(rank, size=batch), fc.cross_entropy
     if model == "mlp":
-        return (lambda seed: fc.mlp(seed, width=1000, depth=4)), fc.mlp_batch(rank, size=64), fc.cross_entropy
+        return (lambda seed: fc.mlp(seed, width=1000, depth=4)), fc.mlp_batch(rank, size=batch), fc.cross_entropy
+    if model == "llama":
+        tokens = fc.token_batch(rank, fc.LLAMA["vocab_size"], batch, LLAMA_TOKENS)
+        return fc.llama, tokens, fc.token_loss
     from memplan.torch.zoo import build_workload
 
-    w = build_workload(model, 2, seed=rank)
-    return (lambda seed: build_workload(model, 2, seed=seed).model), (w.inputs, w.target), w.loss_fn
+    w = build_workload(model, batch, seed=rank)
+    return (lambda seed: build_workload(model, batch, seed=seed).model), (w.inputs, w.target), w.loss_fn
 
 
-def compare(model: str) -> dict[str, Any]:
+def compare(model: str, budget: float | None = None) -> dict[str, Any]:
     build, batch, loss_fn = workload(model)
-    return fc.compare_with_fsdp2(build, batch, steps=STEPS.get(model, 3), loss_fn=loss_fn)
+    if budget is None:
+        return fc.compare_with_fsdp2(build, batch, steps=STEPS, loss_fn=loss_fn)
+    return fc.compare_with_fsdp2(
+        build, batch, steps=STEPS, loss_fn=loss_fn, memory_budget=budget, time_limit_seconds=BUDGET_TIME_LIMIT
+    )
 
 
-def rss(model: str, variant: str) -> dict[str, Any]:
+def rss(model: str, variant: str, budget: float | None = None) -> dict[str, Any]:
     build, batch, loss_fn = workload(model)
-    return fc.measure_rss(build, batch, variant, loss_fn=loss_fn)
+    if budget is None:
+        return fc.measure_rss(build, batch, variant, loss_fn=loss_fn)
+    limit = BUDGET_TIME_LIMIT
+    return fc.measure_rss(build, batch, variant, loss_fn=loss_fn, memory_budget=budget, time_limit_seconds=limit)
 
 
 def tracker(r: dict[str, Any], variant: str) -> int:
     return r["held_bytes"][variant] + r["step_peak_bytes"][variant]
 
 
-def render(rows: dict[str, dict[str, Any]], world: int, command: str, seconds: float) -> str:
+def measure(model: str, nproc: int, budget: float | None = None) -> dict[str, Any]:
+    """One model's row: the compared job, then one RSS job per variant."""
+    start = time.perf_counter()
+    row: dict[str, Any] = {"compare": fc.run_ranks(nproc, compare, model, budget), "rss": {}}
+    for variant in VARIANTS if budget is None else BUDGET_VARIANTS:
+        row["rss"][variant] = fc.run_ranks(nproc, rss, model, variant, budget)
+    for r in [*row["compare"], *(r for v in row["rss"].values() for r in v)]:
+        if "error" in r:
+            raise SystemExit(f"{model}: a rank failed:\n{r['error']}")
+    row["seconds"] = time.perf_counter() - start
+    row["command"] = f"python bench/fsdp.py --models {model}" + (f" --nproc {nproc}" if nproc != 2 else "")
+    row["command"] += "" if budget is None else f" --budget {budget}"
+    return row
+
+
+BUDGET_VARIANTS = ("memplan_budget", "fsdp2_ckpt", "fsdp2", "memplan")
+
+
+def render_budget(rows: dict[str, dict[str, Any]], world: int, budget: float) -> str:
+    """memplan under ``memory_budget`` (remat on top of sharding) vs FSDP2 + checkpoint-per-block."""
     lines = [
-        f"# memplan vs eager FSDP2 (fully_shard): {world} ranks, gloo, CPU",
+        f"# FSDP2 with memory_budget={budget} (remat on top of sharding) vs FSDP2 + checkpoint-per-block: "
+        f"{world} ranks, gloo, CPU",
         "",
-        f"Regenerate: `{command}` ({seconds / 60:.0f} min here, on a shared 2-core machine: the step times are "
-        "noisy, compare them as ratios within a row). Blocks and root `fully_shard`-ed with FSDP2's defaults "
-        "(blocks reshard after forward, the root does not), AdamW (lr 1e-2, weight decay 0.1); mlp: 4 blocks "
-        "of Linear(1003) + GELU (uneven shards), batch 64; gpt2-2l: HF GPT-2 with 2 layers, 2 x 128 tokens "
-        "(tied embedding). memplan's collectives run synchronously at their planned place (no communication "
-        "stream yet).",
+        "Same protocol as the FSDP2 table (tracker, RSS, step time, numerics over "
+        f"{STEPS} steps), a fourth variant: memplan's step with `memory_budget={budget}` (a fraction of the "
+        "checkpoint-all peak of rank 0's step; rank 0 solves the remat plan, every rank runs it; solver "
+        f"{BUDGET_TIME_LIMIT:g} s per stage). Planned overhead: the remat plan's added compute (its cost model); "
+        "step times are measured on a shared, busy 2-core machine: compare them as ratios within a row.",
         "",
-        "## Numerics: loss, gathered parameters, optimizer state",
+        "| model | what | command | minutes |",
+        "|---|---|---|---|",
+    ]
+    for model, row in rows.items():
+        about = BUDGET_MODELS[model]["about"]
+        lines.append(f"| {model} | {about} | `{row['command']}` | {row['seconds'] / 60:.1f} |")
+    lines += [
         "",
-        "Max abs difference to eager FSDP2 after every step, each rank.",
-        "",
-        "| model | rank | steps | max abs diff per step | collectives in the plan |",
-        "|---|---|---|---|---|",
+        "| model | rank | plan | recomputed ops | planned overhead | budget | planned peak | max abs diff vs FSDP2 "
+        "(budget / memplan / ckpt) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for model, row in rows.items():
         for r in row["compare"]:
-            lines.append(f"| {model} | {r['rank']} | {len(r['diffs'])} | {r['diffs']} | {r['collectives']} |")
+            b = r["budget_report"]
+            diffs = f"{max(r['budget_diffs'])} / {max(r['diffs'])} / {max(r['ckpt_diffs'])}"
+            lines.append(
+                f"| {model} | {r['rank']} | {b['method']} ({b.get('from') or '-'}) | {b['recomputed_ops']} "
+                f"| +{100 * b['overhead']:.2f}% | {format_bytes(b['budget_bytes'])} "
+                f"| {format_bytes(b.get('remat_peak_bytes', b['reordered_peak_bytes']))} | {diffs} |"
+            )
+    names = {"memplan_budget": "memplan + budget", "fsdp2_ckpt": "FSDP2 + ckpt", "fsdp2": "FSDP2", "memplan": "memplan"}
+    lines += [
+        "",
+        "| model | rank | peak | " + " | ".join(names[v] for v in BUDGET_VARIANTS) + " | budget / ckpt |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    above: list[str] = []
+    for model, row in rows.items():
+        for r in row["compare"]:
+            rank = r["rank"]
+            of = {
+                "tracker": {v: tracker(r, v) for v in BUDGET_VARIANTS},
+                "RSS": {v: row["rss"][v][rank]["peak_above_base"] for v in BUDGET_VARIANTS},
+            }
+            for kind, peak in of.items():
+                cells = [format_bytes(peak[v]) for v in BUDGET_VARIANTS]
+                ratio = peak["memplan_budget"] / peak["fsdp2_ckpt"]
+                lines.append(f"| {model} | {rank} | {kind} | " + " | ".join(cells) + f" | {ratio:.3f} |")
+            t = r["median_seconds"]
+            cells = [f"{t[v]:.3f} s" for v in BUDGET_VARIANTS]
+            ratio = t["memplan_budget"] / t["fsdp2_ckpt"]
+            lines.append(f"| {model} | {rank} | step time | " + " | ".join(cells) + f" | {ratio:.3f} |")
+            of["step time"] = t
+            above += [
+                f"{model} rank {rank}: {k}" for k, peak in of.items() if peak["memplan_budget"] >= peak["fsdp2_ckpt"]
+            ]
+    where = "; ".join(above) if above else "nowhere (every row, rank, peak and step time)."
+    lines += ["", f"memplan + budget at or above FSDP2 + checkpoint: {where}"]
+    return "\n".join(lines) + "\n"
+
+
+def _above_eager(rows: dict[str, dict[str, Any]]) -> list[str]:
+    """Where memplan's peak (tracker or RSS) is not below eager FSDP2's or FSDP2 + checkpoint's."""
+    found = []
+    for model, row in rows.items():
+        for r in row["compare"]:
+            rank = r["rank"]
+            for eager in fc.EAGER_VARIANTS:
+                if tracker(r, "memplan") >= tracker(r, eager):
+                    found.append(f"{model} rank {rank}: tracker above {eager}")
+                rss_of = {v: row["rss"][v][rank]["peak_above_base"] for v in VARIANTS}
+                if rss_of["memplan"] >= rss_of[eager]:
+                    found.append(f"{model} rank {rank}: RSS above {eager}")
+    return found
+
+
+def _header(rows: dict[str, dict[str, Any]], world: int) -> list[str]:
+    lines = [
+        f"# memplan vs eager FSDP2 (fully_shard) and FSDP2 + checkpoint-per-block: {world} ranks, gloo, CPU",
+        "",
+        "Each row regenerated by its command (a shared 2-core machine, up to 6 other jobs on it: the step times are "
+        "noisy, compare them as ratios within a row). Blocks and root `fully_shard`-ed with FSDP2's defaults "
+        "(blocks reshard after forward, the root does not), AdamW (lr 1e-2, weight decay 0.1), "
+        f"{STEPS} steps. fsdp2_ckpt: the same eager FSDP2 step with every block's forward under "
+        "`torch.utils.checkpoint` (non-reentrant, RNG state preserved), applied before `fully_shard`. memplan's "
+        "collectives run synchronously at their planned place (no communication stream yet).",
+        "",
+        "| model | what | command | minutes |",
+        "|---|---|---|---|",
+    ]
+    for model, row in rows.items():
+        about = MODELS.get(model, {}).get("about", "")
+        lines.append(f"| {model} | {about} | `{row['command']}` | {row['seconds'] / 60:.1f} |")
+    return lines
+
+
+def render(rows: dict[str, dict[str, Any]], world: int) -> str:
+    lines = [
+        *_header(rows, world),
+        "",
+        "## Numerics: loss, gathered parameters, optimizer state",
+        "",
+        "Max abs difference of memplan's to each eager variant's after every step, each rank.",
+        "",
+        "| model | rank | steps | vs FSDP2, per step | vs FSDP2 + checkpoint, per step | collectives in the plan |",
+        "|---|---|---|---|---|---|",
+    ]
+    for model, row in rows.items():
+        for r in row["compare"]:
+            lines.append(
+                f"| {model} | {r['rank']} | {len(r['diffs'])} | {r['diffs']} | {r['ckpt_diffs']} | {r['collectives']} |"
+            )
     lines += [
         "",
         "## Memory per rank",
@@ -81,49 +231,57 @@ def render(rows: dict[str, dict[str, Any]], world: int, command: str, seconds: f
         "tracker = what each variant holds between steps (shards, optimizer state, and memplan's arena) + the "
         "CPU allocator's peak above that during a steady step (profiler memory events). RSS = the process's "
         "peak resident set during one steady step of that variant alone, above its resident set before the "
-        "model existed. Step time = median of the compared steps (interleaved in one process).",
+        "model existed. Ratios: memplan's over FSDP2's, then over FSDP2 + checkpoint's. Step time = median of "
+        "the compared steps (interleaved in one process).",
         "",
-        "| model | rank | memplan tracker | FSDP2 tracker | ratio | memplan RSS | FSDP2 RSS | ratio "
-        "| arena | memplan step | FSDP2 step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | rank | tracker memplan | FSDP2 | FSDP2 + ckpt | ratios | RSS memplan | FSDP2 | FSDP2 + ckpt "
+        "| ratios | arena | step memplan | FSDP2 | FSDP2 + ckpt |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for model, row in rows.items():
         for r in row["compare"]:
             rank = r["rank"]
-            ours, eager = tracker(r, "memplan"), tracker(r, "fsdp2")
-            rss_ours = row["rss"]["memplan"][rank]["peak_above_base"]
-            rss_eager = row["rss"]["fsdp2"][rank]["peak_above_base"]
+            tr = {v: tracker(r, v) for v in VARIANTS}
+            rs = {v: row["rss"][v][rank]["peak_above_base"] for v in VARIANTS}
             t = r["median_seconds"]
-            lines.append(
-                f"| {model} | {rank} | {format_bytes(ours)} | {format_bytes(eager)} | {ours / eager:.3f} "
-                f"| {format_bytes(rss_ours)} | {format_bytes(rss_eager)} | {rss_ours / rss_eager:.3f} "
-                f"| {format_bytes(r['arena_bytes'])} | {t['memplan']:.3f} s | {t['fsdp2']:.3f} s |"
-            )
+            cells = [
+                *(format_bytes(tr[v]) for v in VARIANTS),
+                " / ".join(f"{tr['memplan'] / tr[v]:.3f}" for v in fc.EAGER_VARIANTS),
+                *(format_bytes(rs[v]) for v in VARIANTS),
+                " / ".join(f"{rs['memplan'] / rs[v]:.3f}" for v in fc.EAGER_VARIANTS),
+                format_bytes(r["arena_bytes"]),
+                *(f"{t[v]:.3f} s" for v in VARIANTS),
+            ]
+            lines.append(f"| {model} | {rank} | " + " | ".join(cells) + " |")
+    above = _above_eager(rows)
+    where = "; ".join(above) if above else "nowhere (every row, rank and peak)."
+    lines += ["", f"memplan at or above an eager variant: {where}"]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="mlp,gpt2-2l")
+    parser.add_argument("--models", default=None, help="the rows to measure (none: render); the others are kept")
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--out", default=str(RESULTS / "fsdp.md"))
+    parser.add_argument("--budget", type=float, default=None, help="memplan under this memory_budget too")
+    parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    start = time.perf_counter()
-    rows: dict[str, dict[str, Any]] = {}
-    for model in args.models.split(","):
-        row: dict[str, Any] = {"compare": fc.run_ranks(args.nproc, compare, model), "rss": {}}
-        for variant in ("memplan", "fsdp2"):
-            row["rss"][variant] = fc.run_ranks(args.nproc, rss, model, variant)
-        for r in [*row["compare"], *row["rss"]["memplan"], *row["rss"]["fsdp2"]]:
-            if "error" in r:
-                raise SystemExit(f"{model}: a rank failed:\n{r['error']}")
-        rows[model] = row
+    models = MODELS if args.budget is None else BUDGET_MODELS
+    name = "fsdp.md" if args.budget is None else "fsdp_budget.md"
+    out = Path(args.out or RESULTS / name)
+    kept = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() else {}
+    kept = {m: row for m, row in kept.items() if "ckpt_diffs" in row["compare"][0]}  # rows of this bench's form
+    chosen = ",".join(models) if args.models is None else args.models
+    for model in filter(None, chosen.split(",")):
+        if model not in models:
+            raise SystemExit(f"unknown model {model!r}; choose from {', '.join(models)}")
+        kept[model] = measure(model, args.nproc, args.budget)
+        out.with_suffix(".json").write_text(json.dumps(kept, indent=1) + "\n")
         print(model, "done", flush=True)
-    command = "python bench/fsdp.py" + ("" if args.models == "mlp,gpt2-2l" else f" --models {args.models}")
-    out = Path(args.out)
-    out.write_text(render(rows, args.nproc, command, time.perf_counter() - start))
-    out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
-    print(out.read_text())
+    rows = {m: kept[m] for m in models if m in kept}
+    text = render(rows, args.nproc) if args.budget is None else render_budget(rows, args.nproc, args.budget)
+    out.write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":

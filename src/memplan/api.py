@@ -568,7 +568,7 @@ class CompiledStep:
 
         def make_runner(schedule: Any) -> StepRunner:
             if schedule is not None:
-                return RematRunner(capture, schedule.steps, self.model, self.optimizers[0])
+                return RematRunner(capture, schedule.steps, self.model, self.optimizers[0], executor=self.executor)
             return StepRunner(
                 capture,
                 Plan(tuple(plan.order))
@@ -770,9 +770,9 @@ def compile_step(
             time_limit_seconds=time_limit_seconds,
             reorder=reorder,
             recompute_copies=recompute_copies,
+            memory_budget=memory_budget,
             unsupported={
                 "allocator": allocator != "auto",
-                "memory_budget": memory_budget is not None,
                 "max_overhead": max_overhead is not None,
                 "dynamic": dynamic is not None,
                 "plan_cache": bool(plan_cache),
@@ -815,7 +815,7 @@ def _compile_fsdp2_step(
     if given:
         raise MemplanError(
             f"an FSDP2-sharded model's step does not take {', '.join(given)} yet; "
-            "call compile_step without it (FSDP2's collectives and shards are planned, remat on top is not)"
+            "call compile_step without it (on an FSDP2 step, memory_budget trades compute for memory)"
         )
     from memplan.torch.distributed import compile_fsdp_step
 

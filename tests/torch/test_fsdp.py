@@ -43,6 +43,7 @@ def _check(ranks: list[dict], steps: int, collectives: int) -> None:
     for r in ranks:
         assert "error" not in r, r["error"]
         assert r["diffs"] == [0.0] * steps  # loss, gathered parameters, optimizer state: every step
+        assert r["ckpt_diffs"] == [0.0] * steps  # FSDP2 + checkpoint-per-block recomputes the same numbers
         assert r["collectives"] == collectives
         # memplan holds the shards, the optimizer state and its arena between steps; eager FSDP2
         # the shards and the state. Peak = what is held + the step's allocations above it.
@@ -71,6 +72,51 @@ def test_two_ranks_train_gpt2_bit_for_bit_like_fsdp2() -> None:
     for r in fc.run_ranks(2, _gpt2, 2):
         assert "error" not in r, r["error"]
         assert r["diffs"] == [0.0, 0.0]
+
+
+def _decoder(kind: str, steps: int) -> dict:
+    """A 12-layer GPT-2 or a Llama-style decoder, both narrow (the bench runs the real sizes)."""
+    import transformers
+
+    from memplan.torch.zoo import Logits
+
+    def build(seed: int) -> torch.nn.Module:
+        if kind == "llama":
+            return fc.llama(seed, hidden_size=64, intermediate_size=172, num_hidden_layers=2, vocab_size=512)
+        torch.manual_seed(seed)
+        config = transformers.GPT2Config(n_layer=12, n_embd=32, n_head=2, vocab_size=512, n_positions=64)
+        return Logits(transformers.GPT2LMHeadModel(config))
+
+    batch = fc.token_batch(dist.get_rank(), 512, 2, 16)
+    return fc.compare_with_fsdp2(build, batch, steps=steps, loss_fn=fc.token_loss, time_limit_seconds=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gpt2-12l", "llama"])
+def test_two_ranks_train_decoders_bit_for_bit_like_fsdp2(kind: str) -> None:
+    """GPT-2 with 12 blocks (tied embedding) and a Llama-style decoder (RMSNorm, RoPE, SwiGLU, GQA):
+    every block a unit; identical to eager FSDP2 and to FSDP2 + checkpoint after every step."""
+    for r in fc.run_ranks(2, _decoder, kind, 2):
+        assert "error" not in r, r["error"]
+        assert r["diffs"] == [0.0, 0.0] and r["ckpt_diffs"] == [0.0, 0.0]
+
+
+def _wide_with_budget(steps: int) -> dict:
+    batch = fc.mlp_batch(dist.get_rank(), size=2048)
+    build = lambda seed: fc.mlp(seed, width=256, depth=4)  # noqa: E731
+    return fc.compare_with_fsdp2(build, batch, steps=steps, memory_budget=0.7, time_limit_seconds=2)
+
+
+@pytest.mark.slow
+def test_two_ranks_with_a_memory_budget_train_bit_for_bit_like_fsdp2() -> None:
+    """Remat on top of sharding on 2 ranks: rank 0's plan, run by both (the collectives matched),
+    recomputes within the budget and trains like eager FSDP2, below FSDP2 + checkpoint's tracker peak."""
+    for r in fc.run_ranks(2, _wide_with_budget, 2):
+        assert "error" not in r, r["error"]
+        assert r["budget_report"]["method"] == "remat" and r["budget_report"]["recomputed_ops"] > 0
+        assert r["budget_diffs"] == [0.0, 0.0]
+        ours = r["held_bytes"]["memplan_budget"] + r["step_peak_bytes"]["memplan_budget"]
+        assert ours < r["held_bytes"]["fsdp2_ckpt"] + r["step_peak_bytes"]["fsdp2_ckpt"]
 
 
 @pytest.mark.slow
@@ -187,6 +233,35 @@ def test_a_collective_of_the_step_itself_is_refused(one_rank) -> None:
         compile_fsdp_step(model, fc.adamw(model), loss_fn, fc.mlp_batch(0), time_limit_seconds=0.5)
 
 
+def test_checkpoint_blocks_recomputes_each_block_once_in_the_backward(one_rank) -> None:
+    """The fsdp2_ckpt baseline: every block's forward runs again in the backward (its Linear is
+    called twice per step), the head's once; FSDP2 gathers the block for the recomputation."""
+    blocks = fc.blocks(fc.mlp(0, width=8, depth=3))
+    assert len(blocks) == 3  # the head (the last child) is not a block
+    model = fc.eager_model(lambda seed: fc.mlp(seed, width=8, depth=3), "fsdp2_ckpt")
+    calls: dict[str, int] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_hook(lambda m, i, o, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
+    opt = fc.adamw(model)
+    x, y = fc.mlp_batch(0)
+    fc.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert calls == {"0.0": 2, "1.0": 2, "2.0": 2, "3": 1}
+
+
+def test_blocks_of_hf_decoders_are_their_layers() -> None:
+    """GPT-2's transformer.h and Llama's model.layers, under the zoo's wrapper, are the units."""
+    import transformers
+
+    from memplan.torch.zoo import Logits
+
+    gpt2 = Logits(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=3, n_embd=8, n_head=2, vocab_size=16)))
+    assert fc.blocks(gpt2) == list(gpt2.model.transformer.h)
+    llama = fc.llama(0, hidden_size=16, intermediate_size=32, num_hidden_layers=2, vocab_size=16)
+    assert fc.blocks(llama) == list(llama.model.model.layers)
+
+
 @pytest.mark.slow
 def test_memplan_run_fsdp_with_two_ranks(tmp_path) -> None:
     """``memplan run MODEL --nproc 2 --fsdp`` launches torchrun (gloo) and compares with eager FSDP2."""
@@ -203,13 +278,13 @@ def test_memplan_run_fsdp_with_two_ranks(tmp_path) -> None:
     ranks = json.loads(out.read_text())["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1]
     for r in ranks:
-        assert set(r["variants"]) == {"memplan", "fsdp2"}
+        assert set(r["variants"]) == {"memplan", "fsdp2", "fsdp2_ckpt"}
         assert all(v["max_abs_diff"] == 0.0 for v in r["variants"].values())
         assert all(v["peak_bytes"] > 0 for v in r["variants"].values())
 
 
 def test_compile_step_plans_an_fsdp2_model_and_refuses_what_it_does_not_take(one_rank) -> None:
-    """``memplan.compile_step`` hands an FSDP2 model to compile_fsdp_step; a budget is refused in one line."""
+    """``memplan.compile_step`` hands an FSDP2 model to compile_fsdp_step; max_overhead is refused in one line."""
     import memplan
     from memplan.errors import MemplanError
     from memplan.torch.distributed import FsdpStep
@@ -217,6 +292,39 @@ def test_compile_step_plans_an_fsdp2_model_and_refuses_what_it_does_not_take(one
     model = fc.shard(fc.mlp(0, width=8, depth=1), 1)
     step = memplan.compile_step(model, fc.adamw(model), fc.cross_entropy, fc.mlp_batch(0), time_limit_seconds=1.0)
     assert isinstance(step, FsdpStep)
-    with pytest.raises(MemplanError, match=r"does not take memory_budget yet") as err:
-        memplan.compile_step(model, fc.adamw(model), fc.cross_entropy, fc.mlp_batch(0), memory_budget=0.5)
+    with pytest.raises(MemplanError, match=r"does not take max_overhead yet") as err:
+        memplan.compile_step(model, fc.adamw(model), fc.cross_entropy, fc.mlp_batch(0), max_overhead=0.1)
+    assert "\n" not in str(err.value)
+
+
+def test_a_memory_budget_recomputes_on_top_of_sharding_bit_for_bit(one_rank) -> None:
+    """memory_budget on an FSDP2 step (through compile_step): where the reordered plan does not fit,
+    the remat plan recomputes activations, within the budget it claims, and trains bit for bit like
+    eager FSDP2 (and FSDP2 + checkpoint-per-block); its measured peak is below eager FSDP2's."""
+    batch = fc.mlp_batch(0, size=512)  # activations (512 x 67) dominate the 67 x 67 weights
+    r = fc.compare_with_fsdp2(fc.mlp, batch, steps=2, memory_budget=0.7, time_limit_seconds=1)
+    b = r["budget_report"]
+    assert b["method"] == "remat" and b["recomputed_ops"] > 0
+    assert b["remat_peak_bytes"] <= b["budget_bytes"] < b["reordered_peak_bytes"]
+    assert b["budget_bytes"] == int(0.7 * b["checkpoint_all_peak_bytes"])
+    assert r["budget_diffs"] == [0.0, 0.0] and r["diffs"] == [0.0, 0.0]
+    measured = r["held_bytes"]["memplan_budget"] + r["step_peak_bytes"]["memplan_budget"]
+    assert measured < r["held_bytes"]["fsdp2"] + r["step_peak_bytes"]["fsdp2"]
+
+
+@pytest.mark.parametrize(
+    ("budget", "reason"),
+    [
+        (1, r"memory_budget 1 B is below what this step can reach: .*checkpoint-all needs"),
+        ("fit", r"memory_budget='fit' is not planned for an FSDP2 step yet"),
+        ("lots", r"memory_budget"),
+    ],
+)
+def test_a_budget_the_fsdp2_step_cannot_take_is_refused_in_one_line(one_rank, budget, reason: str) -> None:
+    import memplan
+    from memplan.errors import MemplanError
+
+    model = fc.shard(fc.mlp(0, width=8, depth=1), 1)
+    with pytest.raises(MemplanError, match=reason) as err:
+        memplan.compile_step(model, fc.adamw(model), fc.cross_entropy, fc.mlp_batch(0), memory_budget=budget)
     assert "\n" not in str(err.value)

@@ -1,6 +1,7 @@
-"""Train K FSDP2 steps with memplan and with eager FSDP2 on every rank, from the same seed, and
-compare: the loss, every parameter (gathered: ``full_tensor()``) and every optimizer state
-tensor after every step, and each step's measured peak (the CPU allocator's, above what the
+"""Train K FSDP2 steps with memplan, with eager FSDP2 and with eager FSDP2 + ``torch.utils.checkpoint``
+on every block (``fsdp2_ckpt``, the usual way to trade compute for memory) on every rank, from the
+same seed, and compare: the loss, every parameter (gathered: ``full_tensor()``) and every optimizer
+state tensor after every step, and each step's measured peak (the CPU allocator's, above what the
 process held before the step, plus what each variant holds between steps: shards, optimizer
 state, memplan's arena). Runs inside a gloo process group; :func:`run_ranks` spawns one.
 
@@ -37,8 +38,68 @@ def mlp_batch(rank: int, size: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(size, 16, generator=g), torch.randint(0, 5, (size,), generator=g)
 
 
+LLAMA = {  # a small Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention
+    "vocab_size": 32000,
+    "hidden_size": 512,
+    "intermediate_size": 1376,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 1024,
+}
+
+
+def llama(seed: int = 0, **config: Any) -> nn.Module:
+    """HF ``LlamaForCausalLM`` from :data:`LLAMA` (with ``config``'s changes), random weights, its
+    forward returning the logits (the zoo's wrapper); its blocks are ``model.layers``."""
+    import transformers
+
+    from memplan.torch.zoo import Logits
+
+    torch.manual_seed(seed)
+    return Logits(transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**LLAMA, **config})))
+
+
+def token_batch(rank: int, vocab: int, size: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's tokens and next-token targets, from its rank's seed."""
+    g = torch.Generator().manual_seed(100 + rank)
+    tokens = torch.randint(0, vocab, (size, seq + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
 def cross_entropy(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out, target)
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's blocks, each a ``fully_shard`` unit (and, for ``fsdp2_ckpt``, checkpointed): an HF
+    decoder's layers (GPT-2's ``transformer.h``, Llama's ``model.layers``, under the zoo's wrapper),
+    else every child of the root but the last (the MLP's head)."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] in ("h", "layers"):
+            return list(module)
+    return list(model.children())[:-1]
+
+
+def checkpoint_blocks(model: nn.Module) -> nn.Module:
+    """Every block's forward under ``torch.utils.checkpoint`` (non-reentrant, RNG state preserved):
+    a block keeps only its input for the backward and runs its forward again there. Applied before
+    ``fully_shard``, whose hooks stay around the module's call, so a block's parameters are gathered
+    for the recomputation by FSDP2's pre-backward hook."""
+    from torch.utils.checkpoint import checkpoint
+
+    for block in blocks(model):
+        forward = block.forward
+
+        def checkpointed(*args: Any, _forward: Callable = forward, **kwargs: Any) -> Any:
+            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+
+        block.forward = checkpointed
+    return model
 
 
 def shard(model: nn.Module, world: int, reshard_after_forward: bool | None = None, **options: Any) -> nn.Module:
@@ -47,9 +108,7 @@ def shard(model: nn.Module, world: int, reshard_after_forward: bool | None = Non
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
-    transformer = getattr(model, "transformer", None)  # HF GPT-2: its blocks are transformer.h
-    blocks = list(transformer.h) if transformer is not None else list(model.children())[:-1]
-    for block in blocks:
+    for block in blocks(model):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, **options)
     fully_shard(model, mesh=mesh, **options)
     return model
@@ -96,6 +155,19 @@ def _held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     return sum(seen.values())
 
 
+EAGER_VARIANTS = ("fsdp2", "fsdp2_ckpt")  # eager FSDP2, and eager FSDP2 with every block checkpointed
+
+
+def eager_model(build: Callable[[int], nn.Module], variant: str, reshard_after_forward: bool | None = None):
+    """An eager variant's sharded model from seed 0: FSDP2 alone, or with its blocks checkpointed."""
+    if variant not in EAGER_VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}")
+    model = build(0)
+    if variant == "fsdp2_ckpt":
+        checkpoint_blocks(model)
+    return shard(model, dist.get_world_size(), reshard_after_forward)
+
+
 def compare_with_fsdp2(
     build: Callable[[int], nn.Module],
     batch: Any,
@@ -104,44 +176,72 @@ def compare_with_fsdp2(
     reshard_after_forward: bool | None = None,
     loss_fn: Callable = cross_entropy,
     time_limit_seconds: float = 2.0,
+    memory_budget: int | float | str | None = None,
 ) -> dict[str, Any]:
     """This rank's report: ``diffs`` (max abs difference of loss, gathered parameters and optimizer
-    state to eager FSDP2's, after each step), ``peaks`` (measured, by variant) and the plan's claim."""
+    state to eager FSDP2's, after each step), ``ckpt_diffs`` (the same to eager FSDP2 with every block
+    checkpointed), ``peaks`` (measured, by variant) and the plan's claim. With ``memory_budget``, a
+    fourth variant, ``memplan_budget`` (memplan's step under that budget), and its ``budget_diffs``
+    to eager FSDP2 and ``budget_report``."""
     from memplan.torch.distributed.fsdp_step import compile_fsdp_step
     from memplan.torch.measure import allocator_peak_bytes
 
     torch.set_num_threads(1)
-    world = dist.get_world_size()
-    ref = shard(build(0), world, reshard_after_forward)
-    ref_opt = adamw(ref)
-    ours = shard(build(0), world, reshard_after_forward)
+    models = {name: eager_model(build, name, reshard_after_forward) for name in EAGER_VARIANTS}
+    optimizers = {name: adamw(m) for name, m in models.items()}
+    ours = shard(build(0), dist.get_world_size(), reshard_after_forward)
     opt = adamw(ours)
     step = compile_fsdp_step(ours, opt, loss_fn, batch, time_limit_seconds=time_limit_seconds)
-    eager = _eager(ref, ref_opt, loss_fn)
-    diffs, loss_diffs, peaks, seconds = [], [], {"fsdp2": 0, "memplan": 0}, {"fsdp2": [], "memplan": []}
+    runs = {name: _eager(models[name], optimizers[name], loss_fn) for name in EAGER_VARIANTS} | {"memplan": step}
+    if memory_budget is not None:
+        budgeted = shard(build(0), dist.get_world_size(), reshard_after_forward)
+        budget_opt = adamw(budgeted)
+        runs["memplan_budget"] = compile_fsdp_step(
+            budgeted, budget_opt, loss_fn, batch, time_limit_seconds=time_limit_seconds, memory_budget=memory_budget
+        )
+    budget_diffs: list[float] = []
+    diffs: dict[str, list[float]] = {name: [] for name in EAGER_VARIANTS}
+    loss_diffs: list[float] = []
+    peaks = dict.fromkeys(runs, 0)
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
     for k in range(steps):
-        measure = k == steps - 1  # the steady state: both optimizers have their state
-        for name, run in (("fsdp2", eager), ("memplan", step)):
+        measure = k == steps - 1  # the steady state: every optimizer has its state
+        losses = {}
+        for name, run in runs.items():
             torch.manual_seed(7 + k)
             dist.barrier()
             start = time.perf_counter()
             if measure:
-                loss, peak = allocator_peak_bytes(run, batch)
-                peaks[name] = peak
+                losses[name], peaks[name] = allocator_peak_bytes(run, batch)
             else:
-                loss = run(batch)
+                losses[name] = run(batch)
             seconds[name].append(time.perf_counter() - start)
-            if name == "fsdp2":
-                ref_loss = loss
-        diffs.append(max(_diff([loss], [ref_loss]), _diff(_locals(ours, opt), _locals(ref, ref_opt))))
-        loss_diffs.append(_diff([loss], [ref_loss]))
+        mine = _locals(ours, opt)
+        for name in EAGER_VARIANTS:
+            theirs = _locals(models[name], optimizers[name])
+            diffs[name].append(max(_diff([losses["memplan"]], [losses[name]]), _diff(mine, theirs)))
+        loss_diffs.append(_diff([losses["memplan"]], [losses["fsdp2"]]))
+        if memory_budget is not None:
+            theirs = _locals(models["fsdp2"], optimizers["fsdp2"])
+            budget_diffs.append(
+                max(_diff([losses["memplan_budget"]], [losses["fsdp2"]]), _diff(_locals(budgeted, budget_opt), theirs))
+            )
     runner = step.runner_for(batch)
+    held = {name: _held_bytes(models[name], optimizers[name]) for name in EAGER_VARIANTS}
+    if memory_budget is not None:
+        budget_step = runs["memplan_budget"]
+        held["memplan_budget"] = _held_bytes(budgeted, budget_opt) + budget_step.runner_for(batch).arena.numel()
+    extra = (
+        {} if memory_budget is None else {"budget_diffs": budget_diffs, "budget_report": runs["memplan_budget"].report}
+    )
     return {
+        **extra,
         "rank": dist.get_rank(),
-        "diffs": diffs,
+        "diffs": diffs["fsdp2"],
+        "ckpt_diffs": diffs["fsdp2_ckpt"],
         "loss_diffs": loss_diffs,
         "step_peak_bytes": peaks,
-        "held_bytes": {"fsdp2": _held_bytes(ref, ref_opt), "memplan": _held_bytes(ours, opt) + runner.arena.numel()},
+        "held_bytes": held | {"memplan": _held_bytes(ours, opt) + runner.arena.numel()},
         "arena_bytes": runner.arena.numel(),
         "planned_peak_bytes": step.report["planned_peak_bytes"],
         "collectives": sum("memplan_fsdp" in str(n.target) for n in runner.capture.gm.graph.nodes),
@@ -181,10 +281,12 @@ def measure_rss(
     loss_fn: Callable = cross_entropy,
     warmup_steps: int = 2,
     time_limit_seconds: float = 2.0,
+    memory_budget: int | float | str | None = None,
 ) -> dict[str, Any]:
-    """This process's peak resident set during one steady step of ``variant`` ("memplan" or
-    "fsdp2") alone, above ``base`` (the resident set after the imports and the process group,
-    before the model exists): VmHWM, reset just before the step."""
+    """This process's peak resident set during one steady step of ``variant`` ("memplan", "fsdp2",
+    "fsdp2_ckpt", or "memplan_budget": memplan's step under ``memory_budget``) alone, above ``base``
+    (the resident set after the imports and the process group, before the model exists): VmHWM,
+    reset just before the step."""
     import gc
 
     import ortools.sat.python.cp_model  # noqa: F401  (both variants carry the solvers' libraries)
@@ -197,14 +299,17 @@ def measure_rss(
     gc.collect()
     release_free_memory()
     base = rss_bytes()
-    model = shard(build(0), dist.get_world_size())
-    optimizer = adamw(model)
-    if variant == "memplan":
-        run = compile_fsdp_step(model, optimizer, loss_fn, batch, time_limit_seconds=time_limit_seconds)
-    elif variant == "fsdp2":
-        run = _eager(model, optimizer, loss_fn)
+    if variant in ("memplan", "memplan_budget"):
+        model = shard(build(0), dist.get_world_size())
+        optimizer = adamw(model)
+        budget = memory_budget if variant == "memplan_budget" else None
+        run = compile_fsdp_step(
+            model, optimizer, loss_fn, batch, time_limit_seconds=time_limit_seconds, memory_budget=budget
+        )
     else:
-        raise ValueError(f"unknown variant {variant!r}")
+        model = eager_model(build, variant)
+        optimizer = adamw(model)
+        run = _eager(model, optimizer, loss_fn)
     for k in range(warmup_steps):
         torch.manual_seed(7 + k)
         run(batch)
@@ -220,7 +325,8 @@ def measure_rss(
 
 def zoo_report(model_name: str, batch_size: int, steps: int, time_limit_seconds: float = 2.0) -> dict[str, Any]:
     """:func:`compare_with_fsdp2` on a zoo model (every rank its own batch, from its rank's seed),
-    as ``memplan run MODEL --nproc N --fsdp`` reports it: ``variants.{memplan, fsdp2}``, each with
+    as ``memplan run MODEL --nproc N --fsdp`` reports it: ``variants.{memplan, fsdp2, fsdp2_ckpt}``
+    (FSDP2 with every block under ``torch.utils.checkpoint``), each with
     ``max_abs_diff`` (to memplan's numbers, over every step) and ``peak_bytes`` (measured: what it
     holds between steps + the allocator's peak during a steady step)."""
     from memplan.torch.zoo import build_workload
@@ -234,13 +340,14 @@ def zoo_report(model_name: str, batch_size: int, steps: int, time_limit_seconds:
         return build_workload(model_name, batch_size, seed=seed).model
 
     r = compare_with_fsdp2(build, batch, steps=steps, loss_fn=loss_fn, time_limit_seconds=time_limit_seconds)
+    worst = {"memplan": 0.0, "fsdp2": max(r["diffs"]), "fsdp2_ckpt": max(r["ckpt_diffs"])}
     variants = {
         name: {
-            "max_abs_diff": 0.0 if name == "memplan" else max(r["diffs"]),
+            "max_abs_diff": worst[name],
             "peak_bytes": r["held_bytes"][name] + r["step_peak_bytes"][name],
             "step_seconds": r["median_seconds"][name],
         }
-        for name in ("memplan", "fsdp2")
+        for name in ("memplan", *EAGER_VARIANTS)
     }
     return {
         "rank": rank,

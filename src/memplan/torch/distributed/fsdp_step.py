@@ -6,11 +6,21 @@ rank must run the collectives in the same order) and broadcasts the order; each 
 its own tensors for that order (its shards may be smaller than rank 0's) and runs the plan on
 its own arena with memplan's runtime (:class:`memplan.torch.run.interpreter.StepRunner`), whose
 all-gathers and reduce-scatters call gloo at their planned place.
+
+``memory_budget`` (remat on top of sharding): rank 0 also solves the cheapest recomputation within
+the budget with the remat portfolio (:func:`memplan.remat.portfolio.solve_remat_in_order`, its stages
+in the reordered plan's order), a fraction being of the checkpoint-all peak of rank 0's step; every
+rank runs that one step sequence (:class:`memplan.torch.run.remat.RematRunner`, the ordinary
+allocator), so the collectives stay matched across ranks. An all-gather may be run again (a unit
+gathered a second time, as FSDP2's reshard-after-forward does, where the plan decides); a
+reduce-scatter never is, nor a random op (:func:`remat_graph`). Where the reordered plan already
+fits, it runs as without a budget.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch.distributed as dist
@@ -31,6 +41,7 @@ from memplan.torch.distributed.fsdp import (
 from memplan.torch.distributed.step import require_process_group
 from memplan.torch.rss import release_free_memory
 from memplan.torch.run.interpreter import Plan, StepRunner, allocator_tensors, optimizer_update_groups
+from memplan.torch.run.remat import RematRunner
 
 
 class FsdpStep:
@@ -45,8 +56,12 @@ class FsdpStep:
         time_limit_seconds: float = 10.0,
         reorder: bool = True,
         recompute_copies: bool = True,
+        memory_budget: int | float | str | None = None,
     ) -> None:
         require_process_group()
+        if memory_budget is not None:
+            check_fsdp_budget(memory_budget)
+        self.memory_budget = memory_budget
         if any(t.device.type != "cpu" for t in [*model.parameters(), *model.buffers()]):
             raise MemplanError("memplan's FSDP2 step runs on CPU (gloo) for now; shard the model on a 'cpu' mesh")
         self.layout = read_layout(model)
@@ -80,7 +95,11 @@ class FsdpStep:
             refuse_foreign_collectives(capture)
             plan, report = self._shared_plan(capture)
             self.reports[key] = report
-            self.runners[key] = StepRunner(capture, plan, self.shards, [self.twin])
+            steps = report.pop("remat_steps", None)
+            if steps is not None:
+                self.runners[key] = RematRunner(capture, steps, self.shards, self.twin)
+            else:
+                self.runners[key] = StepRunner(capture, plan, self.shards, [self.twin])
             release_free_memory()
         return self.runners[key]
 
@@ -113,7 +132,13 @@ class FsdpStep:
                     atomic_groups=optimizer_update_groups(capture),
                     allocator_tensors=exclude,
                 )
-                box[0] = (list(plan.order), plan.report)
+                report = plan.report
+                if self.memory_budget is not None:
+                    report = {
+                        **report,
+                        **solve_fsdp_budget(capture, plan.order, self.memory_budget, self.time_limit_seconds),
+                    }
+                box[0] = (list(plan.order), report)
             except MemplanError as err:
                 box[0] = err
         dist.broadcast_object_list(box, group=self.process_group, group_src=0)
@@ -129,6 +154,93 @@ class FsdpStep:
         return Plan(tuple(order), offsets, placement.arena_bytes), report
 
 
+def check_fsdp_budget(memory_budget: int | float | str) -> None:
+    """Refuse, in one line, a budget the FSDP2 step does not take: a malformed one, or ``"fit"``."""
+    from memplan.torch.run.budget import parse_memory_budget
+    from memplan.torch.run.fit import is_fit
+
+    if is_fit(memory_budget):
+        raise MemplanError(
+            "memory_budget='fit' is not planned for an FSDP2 step yet (every rank would need the same limit): "
+            "give bytes or a fraction"
+        )
+    parse_memory_budget(memory_budget, 1)
+
+
+REDUCE_SCATTER_KIND_SUFFIX = " (a reduce-scatter: never run twice, as a random op)"
+"""Appended to the kind of a reduce-scatter in :func:`remat_graph`: its "random" makes
+:func:`memplan.remat.problem.is_random` keep the remat core from recomputing it."""
+
+
+def remat_graph(capture: Capture) -> Any:
+    """The graph the budget is solved on: :func:`memplan.torch.run.budget.held_graph` (seeded ops
+    are random: never recomputed) with every reduce-scatter marked the same way. All-gathers stay
+    recomputable: gathering a unit again is what FSDP2's reshard-after-forward does."""
+    from memplan.graph.ir import Graph
+    from memplan.torch.run.budget import held_graph
+
+    graph = held_graph(capture)
+    ops = tuple(
+        replace(op, kind=op.kind + REDUCE_SCATTER_KIND_SUFFIX) if "reduce_scatter" in op.kind else op
+        for op in graph.ops
+    )
+    return Graph(ops, graph.tensors, graph.name, dict(graph.meta))
+
+
+def solve_fsdp_budget(
+    capture: Capture, order: Sequence[int], memory_budget: int | float | str, time_limit_seconds: float
+) -> dict[str, Any]:
+    """The budget's part of rank 0's report: ``remat_steps`` (the step sequence every rank runs,
+    ``None`` when the reordered plan fits) and what was decided. A fraction is of the
+    checkpoint-all peak (every activation kept, in program order). Raises
+    :class:`memplan.errors.InfeasibleBudget` in one line when no plan fits."""
+    from memplan.errors import InfeasibleBudget
+    from memplan.graph.liveness import peak_bytes
+    from memplan.isolate import in_child
+    from memplan.remat.baselines import checkpoint_all
+    from memplan.remat.portfolio import solve_remat_in_order
+    from memplan.remat.problem import RematProblem
+    from memplan.torch.run.budget import _infeasible_message, parse_memory_budget
+
+    graph = remat_graph(capture)
+    reference = checkpoint_all(RematProblem(graph, 10**18)).peak_bytes
+    budget_bytes = parse_memory_budget(memory_budget, reference)
+    reordered = peak_bytes(graph, list(order))
+    report: dict[str, Any] = {
+        "memory_budget": memory_budget,
+        "budget_bytes": budget_bytes,
+        "checkpoint_all_peak_bytes": reference,
+        "reordered_peak_bytes": reordered,
+    }
+    if reordered <= budget_bytes:
+        return {**report, "method": "reorder", "remat_steps": None, "recomputed_ops": 0, "overhead": 0.0}
+    schedule = in_child(solve_remat_in_order, graph, tuple(order), budget_bytes, time_limit_seconds, reorder=False)
+    if not schedule.feasible:
+        message = _infeasible_message(
+            graph,
+            budget_bytes,
+            reference,
+            schedule,
+            (),
+            reordered_bytes=reordered,
+            time_limit_seconds=time_limit_seconds,
+        )
+        raise InfeasibleBudget(message)
+    runs = [i for kind, i in schedule.steps if kind == "run"]
+    return {
+        **report,
+        "method": "remat",
+        "remat_steps": [tuple(s) for s in schedule.steps],
+        "recomputed_ops": len(runs) - len(set(runs)),
+        "regathered": sum(1 for i in runs if "all_gather" in graph.ops[i].kind)
+        - sum(1 for i in set(runs) if "all_gather" in graph.ops[i].kind),
+        "overhead": round(schedule.overhead, 6),
+        "remat_peak_bytes": schedule.peak_bytes,
+        "status": schedule.status,
+        "from": schedule.details.get("from"),
+    }
+
+
 def compile_fsdp_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -138,10 +250,13 @@ def compile_fsdp_step(
     time_limit_seconds: float = 10.0,
     reorder: bool = True,
     recompute_copies: bool = True,
+    memory_budget: int | float | str | None = None,
 ) -> FsdpStep:
     """Plan one rank's FSDP2 training step ``loss = loss_fn(model(inputs), target);
     loss.backward(); optimizer.step(); optimizer.zero_grad()`` and return it as a callable
-    ``step(batch)``; every rank of the model's mesh must call this together."""
+    ``step(batch)``; every rank of the model's mesh must call this together. ``memory_budget``
+    (bytes, ``"2GiB"``, or a fraction of the checkpoint-all peak): recompute activations (and
+    gather units again) where the reordered plan does not fit (module docstring)."""
     step = FsdpStep(
         model,
         optimizer,
@@ -149,6 +264,7 @@ def compile_fsdp_step(
         time_limit_seconds=time_limit_seconds,
         reorder=reorder,
         recompute_copies=recompute_copies,
+        memory_budget=memory_budget,
     )
     step.runner_for(example_batch)
     return step
