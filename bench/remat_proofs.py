@@ -55,6 +55,12 @@ ZOO = (("vgg16", 32), ("unet", 8), ("mobilenet-v2", 8), ("resnet50", 8))
 SEGMENTATION = (("fcn", 8), ("segnet", 8))
 LAYERED = ((100, 0), (250, 1), (500, 2))
 QUICK = ("vgg16", "fcn", "layered-n100")
+COMPARED = {
+    "remat_proofs_before.json": "before the exact covers: bounds.py as at commit c3b1565",
+    "remat_proofs_before_stages.json": "before the exact stage cuts of memplan.remat.stage_bounds: the "
+    "remat_proofs.json of commit 3fe3665",
+}
+"""What each earlier run's JSON that ``--compare`` takes was run with."""
 GAP_LIMIT = 1e-4
 """Issue 36's target: optimal, or proven within 0.01% of the step's compute."""
 
@@ -380,8 +386,8 @@ def main() -> None:
         "its message and counts its gap as 0). 'infeasible' is a proof too (memplan: the memory floor is above "
         "the budget). "
         + (
-            f"`{Path(args.compare).name}`: the same graphs, budgets and limit run by this script before the exact "
-            "covers (bounds.py as at commit c3b1565; the working tree otherwise as in this run)."
+            f"`{Path(args.compare).name}`: the same graphs, budgets and limit run by this script before this "
+            f"change ({COMPARED.get(Path(args.compare).name, 'an earlier run')})."
             if args.compare
             else ""
         ),

@@ -366,6 +366,7 @@ def _stage_cuts(
     again: AgainAfter,
     chain_key: ChainKey = lambda _p, _v: 0,
     narrow: Narrow | None = None,
+    stages: list[Stage] | None = None,
 ) -> None:
     """Redundant constraints: the memory at each tight stage, with re-runs as its only way out.
 
@@ -379,14 +380,17 @@ def _stage_cuts(
     their linear relaxation ties the budget to the objective, which the cumulative constraint
     alone does not: on a budget near the memory floor it is the search's lower bound.
     ``narrow(v, part, j, r, b_j)``: called for each part a re-run of ``j`` after ``e_v`` reads,
-    to bound its residence ``r`` further (see :func:`stage_cut_relaxation`)."""
+    to bound its residence ``r`` further (see :func:`stage_cut_relaxation`). ``stages``: the
+    stages to cut (default :func:`chosen_stages`); fewer stages, fewer constraints: still a
+    relaxation of every plan (:mod:`memplan.remat.stage_bounds`)."""
     size = part_units(sg, units)
     rerun_readers: dict[Part, list[int]] = {}
     for j in range(sg.size):
         for part in reads.rerun[j]:
             rerun_readers.setdefault(part, []).append(j)
     later: dict[tuple[int, int], cp_model.IntVar] = {}
-    for v, fixed, crossing, movable in sorted(chosen_stages(sg, events, reads, units), key=lambda c: -c[0]):
+    cut = chosen_stages(sg, events, reads, units) if stages is None else stages
+    for v, fixed, crossing, movable in sorted(cut, key=lambda c: -c[0]):
         after = {p: again(p, v) for p in movable}
         for p, b in after.items():
             key = (p, chain_key(p, v))
@@ -542,6 +546,7 @@ def stage_cut_relaxation(
     workers: int = 2,
     backend: str = "mip",
     enough: float | None = None,
+    lp_seconds: float = 0.0,
 ) -> CutRelaxation:
     """Solve the stage cuts alone (see :func:`stage_cut_bound`) with ``backend``: "mip" (an
     LP relaxation first, then a branch and bound with cutting planes,
@@ -566,7 +571,9 @@ def stage_cut_relaxation(
     about 6 s more for the neighbourhood search). The best of the bounds counts.
     A 20 s solve leaves the relaxation 5.5 s: at 0.7 of that DAG's peak the LP with reader
     windows does not finish in its share, and at 0.8 (where it bounds no more than the
-    segments' LP) its 2 s left their branch and bound too little (gap 0.85%, was 0.64%)."""
+    segments' LP) its 2 s left their branch and bound too little (gap 0.85%, was 0.64%).
+    ``lp_seconds``: the segments' LP may run this long even past ``seconds`` (the rest of the
+    steps then get nothing): on the 500-node DAG it took 3-6 s on 2 loaded cores."""
     start = time.perf_counter()
     reads = node_reads(sg)
     events = build_events(sg, reads)
@@ -580,7 +587,8 @@ def stage_cut_relaxation(
         return CutRelaxation(cuts.in_cost_units(status.bound, plain), _rerun(events, chosen), status)
     cuts = _relaxation_model(sg, reads, events, windows, units, reader_windows=False)
     # the models' building counts in the time (seconds on a graph of 2000 nodes)
-    status, fractional = solve_as_mip(cuts.model, max(0.1, seconds - (time.perf_counter() - start)), relax=True)
+    lp_time = max(seconds, lp_seconds) - (time.perf_counter() - start)  # the LP may have more than the rest
+    status, fractional = solve_as_mip(cuts.model, max(0.1, lp_time), relax=True)
     lp_bound, tight = cuts.in_cost_units(status.bound, plain), cuts
     if seconds >= TIGHT_LP_MIN_SECONDS:
         windowed = _relaxation_model(sg, reads, events, windows, units, reader_windows=True)
@@ -668,7 +676,13 @@ class _CutModel:
 
 
 def _relaxation_model(
-    sg: SolverGraph, reads: Reads, events: Events, windows: RerunWindows, units: MemoryUnits, reader_windows: bool
+    sg: SolverGraph,
+    reads: Reads,
+    events: Events,
+    windows: RerunWindows,
+    units: MemoryUnits,
+    reader_windows: bool,
+    stages: list[Stage] | None = None,
 ) -> _CutModel:
     """The stage cuts (:func:`_stage_cuts`) with one flag ``b[p, v]`` per node ``p`` and stage
     ``v``: ``p`` runs again in ``(v, end(p, v)]`` (:class:`RerunWindows`), each such re-run paid.
@@ -680,10 +694,11 @@ def _relaxation_model(
     ``n[p, end] - n[p, v] >= b[p, v]``, and the part is resident at ``v`` unless ``p`` runs
     again in ``(v, min(end(p, v), end(j, v))]``: ``r >= b[j, v] - (n[p, e] - n[p, v])``. A plan
     that re-runs ``p`` after ``j``'s re-run, to have it absent later, pays for two re-runs.
-    Costs are rounded down to whole units (no plan is cut off)."""
+    Costs are rounded down to whole units (no plan is cut off). ``stages``: the stages cut
+    (default :func:`chosen_stages`; a subset bounds less, never more)."""
     model = cp_model.CpModel()
     costs, unit = _costs_rounded_down(sg.cost)
-    stages = chosen_stages(sg, events, reads, units)
+    stages = chosen_stages(sg, events, reads, units) if stages is None else stages
     last = [events.recompute[k][-1] if events.recompute[k] else k for k in range(sg.size)]
 
     def end(p: int, v: int) -> int:
@@ -723,7 +738,7 @@ def _relaxation_model(
         if p in counted and e < end(p, v):
             model.add(r >= b_j - runs_in(p, v, e))
 
-    _stage_cuts(model, sg, events, reads, units, again, windows.end, narrow if counted else None)
+    _stage_cuts(model, sg, events, reads, units, again, windows.end, narrow if counted else None, stages)
     reruns: list[list[cp_model.IntVar]] = [[] for _ in range(sg.size)]
     for (p, _), y in segments.items():
         reruns[p].append(y)

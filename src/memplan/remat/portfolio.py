@@ -18,7 +18,10 @@ The portfolio runs, within one time limit, and keeps the cheapest plan that fits
    (:class:`memplan.remat.moccasin.CutMilp`: its bound is taken when it ends);
    then the CP model over only the nodes its best solution re-runs
    (:func:`memplan.remat.moccasin.solve_restricted`, widened while no plan fits): a small
-   model that finds in a second what the whole one misses for minutes;
+   model that finds in a second what the whole one misses for minutes. Before and after
+   it, once, where the best plan is within 1% of the bound: the **exact stage cuts**
+   (:func:`memplan.remat.stage_bounds.near_proof`: the cuts' MILP one stage, then a few, at a
+   time, solved exactly), which prove what the LP leaves open by a few whole re-runs;
 4. a **large neighbourhood search** (:mod:`memplan.remat.lns`) from the cheapest plan over
    the whole graph, on graphs whose whole CP model is too big to search well: the CP model
    over a few freed nodes at a time, every other node's runs kept, one neighbourhood per
@@ -77,6 +80,7 @@ from memplan.remat.moccasin import (
     stage_cut_relaxation,
 )
 from memplan.remat.problem import RematProblem, RematSchedule, default_costs, memory_floor
+from memplan.remat.stage_bounds import near_proof
 
 WHOLE = 10**9
 """``max_solver_nodes`` that keeps every unit: the whole graph (0-byte ops ride with the op before)."""
@@ -129,7 +133,10 @@ QUICK_BASELINES = ("checkpoint-all", "chen-drop-cheap", "dtr", "linearized-greed
 RELAXATION_SHARE = 0.3
 """The stage cuts' relaxation gets at most this share of the time left after the baselines ..."""
 RELAXATION_MAX_SECONDS = 15.0
-"""... and at most this long (its bound seldom moves after that)."""
+"""... and at most this long (its bound seldom moves after that) ..."""
+RELAXATION_LP_SECONDS = 8.0
+"""... but its LP may take this long (or half the time left): it is the first step to a plan on the
+layered DAGs, and on the 500-node one it took 3-6 s on 2 loaded cores (given 6 s, at times none)."""
 RESTRICTED_SHARE = 0.35
 """Each search of the CP model over the relaxation's nodes gets this share of the time left
 (it has no plan to start from: on the 250-node DAG at 0.8 its first one comes after 0.5-4 s)."""
@@ -253,8 +260,10 @@ def _solve(run: _Portfolio, runs_per_node: int) -> None:
         if not reorder:
             run.take_bound(drop_cover_bound(run.problem).cost, COVER_SCOPE, run.whole)
         run.baselines()
+        near_proof(run)  # exact stage cuts, where the plan is near the bound (once)
         if "moccasin" in formulations and not reorder and not run.done():
             run.relaxation(runs_per_node)
+        near_proof(run)
         if "moccasin" in formulations and not reorder and not run.done():
             run.neighbourhoods(runs_per_node)
         late = run.left() < MARGIN_SECONDS and run.best is not None  # its model would end past the limit
@@ -439,6 +448,7 @@ class _Portfolio:
             seconds,
             self.problem.workers,
             enough=enough,
+            lp_seconds=min(RELAXATION_LP_SECONDS, 0.5 * self.left()),
         )
         self.relaxed, self.cut_bound, self.cut_reruns = True, relaxed.bound, frozenset(relaxed.rerun)
         self.attempts.append(
