@@ -370,15 +370,8 @@ def _markdown(
     allocator: str,
     out: Path,
 ) -> str:
-    command = "python bench/step_overhead.py"
-    if list(models) != list(MODELS) or list(batches) != list(BATCHES) or steps != 10 or threads != 1:
-        command += (
-            f" --models {' '.join(models)} --batches {' '.join(map(str, batches))} --steps {steps} --threads {threads}"
-        )
-    if allocator != "auto":
-        command += f" --allocator {allocator}"
-    if out.resolve() != DEFAULT_OUT:
-        command += f" --out {os.path.relpath(out.resolve(), ROOT)}"
+    run = (models, batches, steps, threads, allocator, out)
+    command = _command("python bench/step_overhead.py", run, (MODELS, BATCHES, DEFAULT_OUT))
     lines = [
         "# Host time per step: memplan's replayed step vs eager (issue 34)",
         "",
@@ -441,15 +434,9 @@ def _budget_markdown(
     budgets: Any,
     out: Path,
 ) -> str:
-    command = f"python bench/step_overhead.py --budget {' '.join(f'{b:g}' for b in budgets)}"
-    if list(models) != list(BUDGET_MODELS) or list(batches) != [1] or steps != 10 or threads != 1:
-        command += (
-            f" --models {' '.join(models)} --batches {' '.join(map(str, batches))} --steps {steps} --threads {threads}"
-        )
-    if allocator != "auto":
-        command += f" --allocator {allocator}"
-    if out.resolve() != BUDGET_OUT:
-        command += f" --out {os.path.relpath(out.resolve(), ROOT)}"
+    run = (models, batches, steps, threads, allocator, out)
+    budget = f"python bench/step_overhead.py --budget {' '.join(f'{b:g}' for b in budgets)}"
+    command = _command(budget, run, (BUDGET_MODELS, [1], BUDGET_OUT))
     lines = [
         "# Host time per step under a memory budget: the remat runner vs the plain replayed step (issue 33)",
         "",
@@ -509,6 +496,22 @@ def main() -> None:
     batches = args.batches or ([1] if budgeted else list(BATCHES))
     out = args.out or (BUDGET_OUT if budgeted else DEFAULT_OUT)
     parent(models, batches, args.steps, args.threads, args.allocator, out, args.budget)
+
+
+def _command(base: str, run: tuple, defaults: tuple) -> str:
+    """The command line that writes a results page: ``base`` and the options off their defaults."""
+    models, batches, steps, threads, allocator, out = run
+    default_models, default_batches, default_out = defaults
+    command = base
+    if list(models) != list(default_models) or list(batches) != list(default_batches) or steps != 10 or threads != 1:
+        command += (
+            f" --models {' '.join(models)} --batches {' '.join(map(str, batches))} --steps {steps} --threads {threads}"
+        )
+    if allocator != "auto":
+        command += f" --allocator {allocator}"
+    if out.resolve() != default_out:
+        command += f" --out {os.path.relpath(out.resolve(), ROOT)}"
+    return command
 
 
 if __name__ == "__main__":
