@@ -276,7 +276,6 @@ def _plan_budget(
     measure_workspace: bool,
     plain_order: Sequence[int] | None,
 ) -> BudgetPlan:
-    from memplan.remat import solve_remat_within_overhead
     from memplan.remat.baselines import checkpoint_all
     from memplan.remat.problem import RematProblem, is_random
 
@@ -313,7 +312,7 @@ def _plan_budget(
         return BudgetPlan(None, {**report, **_reorder_only(plain_peak_bytes + scratch, "optimal")}, None, context)
     if budget_bytes is None:
         schedule = in_child(  # the solvers' memory stays out of the training process
-            solve_remat_within_overhead,
+            _solve_remat_within_overhead,
             graph,
             float(max_overhead),  # type: ignore[arg-type]
             time_limit_seconds,
@@ -322,6 +321,21 @@ def _plan_budget(
         return _decided(schedule, report, plain_peak_bytes + scratch, None, context)
     reuse = _still_within(graph, probe, workspace, budget_bytes)
     return _solve_within(context, report, budget_bytes, plain_peak_bytes + scratch, schedule=reuse)
+
+
+def _solve_remat_in_order(*args: Any, **kwargs: Any) -> Any:
+    """:func:`memplan.remat.portfolio.solve_remat_in_order`, imported where it runs (the solver's
+    child): the solvers bring OR-Tools and pandas (about 57 MiB) the training process never needs."""
+    from memplan.remat.portfolio import solve_remat_in_order
+
+    return solve_remat_in_order(*args, **kwargs)
+
+
+def _solve_remat_within_overhead(*args: Any, **kwargs: Any) -> Any:
+    """:func:`memplan.remat.portfolio.solve_remat_within_overhead`, imported in the solver's child."""
+    from memplan.remat.portfolio import solve_remat_within_overhead
+
+    return solve_remat_within_overhead(*args, **kwargs)
 
 
 def held_graph(capture: Capture) -> Any:
@@ -380,12 +394,11 @@ def _probe_plan(
     workspace; ``None`` (program order) without a budget or an order. A budget that no plan
     reaches even without workspace raises :class:`InfeasibleBudget` now, before any step runs."""
     from memplan.remat.lower import steps_for_order
-    from memplan.remat.portfolio import solve_remat_in_order
 
     if budget_bytes is None or (plain_order is not None and plain_peak_bytes <= budget_bytes):
         return None if plain_order is None else _OrderProbe(steps_for_order(graph, plain_order))
     schedule = in_child(
-        solve_remat_in_order, graph, plain_order, budget_bytes, time_limit_seconds, workspace=(), reorder=reorder
+        _solve_remat_in_order, graph, plain_order, budget_bytes, time_limit_seconds, workspace=(), reorder=reorder
     )
     if not schedule.feasible:
         reference = _checkpoint_all_peak(graph)
@@ -443,12 +456,10 @@ def _solve_within(
     plan's peak, run instead when the plan recomputes nothing and it fits (``None``: never).
     ``schedule``: a plan already solved for this budget (then no solve). ``runnable_bytes``: a
     placed peak known to run, for a refusal's advice."""
-    from memplan.remat.portfolio import solve_remat_in_order
-
     graph, budget_bytes = context.graph, report["budget_bytes"]
     if schedule is None:
         schedule = in_child(
-            solve_remat_in_order,
+            _solve_remat_in_order,
             graph,
             context.order,
             solve_bytes,
