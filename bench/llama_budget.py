@@ -120,8 +120,8 @@ def markdown(rows: list[dict], command: str) -> str:
         "# Llama-style decoder (0.12B, 4 layers, hidden 1024), AdamW, batch 1 x 512, under a memory_budget",
         "",
         f"`{command}` (each budget in a process of its own; peak RSS from the model's creation on; libraries: the "
-        "process before the model: the interpreter, torch, transformers and memplan.api, which brings OR-Tools "
-        "and pandas). Seconds: on a shared 2-core machine, noisy.",
+        "process before the model: the interpreter, torch, transformers and memplan.api; OR-Tools and pandas load "
+        "only in the planner's child). Seconds: on a 2-core machine, noisy.",
         "",
         "Peaks count each gradient until its optimizer call ends (the runtime holds it as `.grad` for the "
         "call; capture makes it an input of every op of its update group, so the reorderer sees it too). "
