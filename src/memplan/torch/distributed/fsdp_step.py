@@ -198,9 +198,8 @@ def solve_fsdp_budget(
     from memplan.graph.liveness import peak_bytes
     from memplan.isolate import in_child
     from memplan.remat.baselines import checkpoint_all
-    from memplan.remat.portfolio import solve_remat_in_order
     from memplan.remat.problem import RematProblem
-    from memplan.torch.run.budget import _infeasible_message, parse_memory_budget
+    from memplan.torch.run.budget import _infeasible_message, _solve_remat_in_order, parse_memory_budget
 
     graph = remat_graph(capture)
     reference = checkpoint_all(RematProblem(graph, 10**18)).peak_bytes
@@ -214,7 +213,8 @@ def solve_fsdp_budget(
     }
     if reordered <= budget_bytes:
         return {**report, "method": "reorder", "remat_steps": None, "recomputed_ops": 0, "overhead": 0.0}
-    schedule = in_child(solve_remat_in_order, graph, tuple(order), budget_bytes, time_limit_seconds, reorder=False)
+    # imported in the solver's child: OR-Tools stays out of the rank's process, as in the budget path
+    schedule = in_child(_solve_remat_in_order, graph, tuple(order), budget_bytes, time_limit_seconds, reorder=False)
     if not schedule.feasible:
         message = _infeasible_message(
             graph,

@@ -372,20 +372,25 @@ def _leaf_kind(value: Any) -> Any:
     return (type(value), repr(value))
 
 
-def _store(w: _Writer, node: torch.fx.Node, expr: str) -> None:
+def _store(
+    w: _Writer, node: torch.fx.Node, expr: str, hold: Callable[[torch.fx.Node], None] | None = None
+) -> None:
     """Assign an op's result as the interpreter's ``_store`` keeps it: a tuple read only through
-    getitem element by element, so each element is freed at its own last use."""
+    getitem element by element, so each element is freed at its own last use. ``hold(node)``
+    is told of each local assigned (default: the writer's ``assigned`` set)."""
+    if hold is None:
+        hold = lambda held: w.assigned.add(held.name)  # noqa: E731
     users = list(node.users)
     value = node.meta.get("val")
     if isinstance(value, (tuple, list)) and users and all(u.target is operator.getitem for u in users):
         w.emit(f"_r = {expr}")
         for user in users:
             w.emit(f"{w.var(user.name)} = _r[{user.args[1]!r}]")
-            w.assigned.add(user.name)
+            hold(user)
         w.emit("del _r")
         return
     w.emit(f"{w.var(node.name)} = {expr}")
-    w.assigned.add(node.name)
+    hold(node)
 
 
 def _frees(w: _Writer, runner: Any, position: int) -> None:

@@ -33,13 +33,12 @@ later). The kernels, their order and their arguments are the interpreter's, so t
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch.fx
 
 import torch
-from memplan.torch.run.codegen import GeneratedStep, _env_names, _kernel, _mergeable, _merged, _Writer
+from memplan.torch.run.codegen import GeneratedStep, _env_names, _kernel, _mergeable, _merged, _store, _Writer
 from memplan.torch.tensors import storage_key, tensor_leaves
 
 
@@ -63,18 +62,7 @@ class _Remat:
     # ------------------------------------------------------------------ values
     def store(self, node: torch.fx.Node, expr: str) -> None:
         """``node``'s result held as the codegen's ``_store`` holds it (split by getitem)."""
-        w = self.w
-        users = list(node.users)
-        value = node.meta.get("val")
-        if isinstance(value, (tuple, list)) and users and all(u.target is operator.getitem for u in users):
-            w.emit(f"_r = {expr}")
-            for user in users:
-                w.emit(f"{w.var(user.name)} = _r[{user.args[1]!r}]")
-                self._hold(user)
-            w.emit("del _r")
-            return
-        w.emit(f"{w.var(node.name)} = {expr}")
-        self._hold(node)
+        _store(self.w, node, expr, hold=self._hold)
 
     def _hold(self, node: torch.fx.Node) -> None:
         """``node``'s value is in its local now; a value that is not one tensor (a tuple kept
