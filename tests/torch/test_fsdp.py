@@ -10,6 +10,7 @@ run on a 1-rank group in this process.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 
 import pytest
@@ -52,12 +53,22 @@ def _check(ranks: list[dict], steps: int, collectives: int) -> None:
         assert ours < eager, (ours, eager)
 
 
+def _full_and_mixed(steps: int) -> dict[str, dict]:
+    """Full precision and bf16 mixed precision (:func:`_mixed_precision`) in one spawn of the ranks."""
+    return {"full": _two_ranks(None, steps), "mixed": _mixed_precision(None, steps)}
+
+
 def test_two_ranks_train_bit_for_bit_like_fsdp2() -> None:
     """FSDP2's defaults: blocks reshard after forward, the root does not. In the forward, one
     gather per parameter of the 4 units (3 blocks and the root: 8); in the backward the blocks'
     again where the backward reads a weight (blocks 1 and 2, not block 0: its input needs no
-    gradient: 4); one reduce-scatter per unit (4)."""
-    _check(fc.run_ranks(2, _two_ranks, None, 3), steps=3, collectives=8 + 4 + 4)
+    gradient: 4); one reduce-scatter per unit (4). The same ranks then train in bf16 mixed
+    precision (:func:`_check_mixed`)."""
+    ranks = fc.run_ranks(2, _full_and_mixed, 3)
+    for r in ranks:
+        assert "error" not in r, r["error"]
+    _check([r["full"] for r in ranks], steps=3, collectives=8 + 4 + 4)
+    _check_mixed([r["mixed"] for r in ranks], steps=3, collectives=8 + 4 + 4)
 
 
 @pytest.mark.slow
@@ -72,6 +83,63 @@ def test_two_ranks_train_gpt2_bit_for_bit_like_fsdp2() -> None:
     for r in fc.run_ranks(2, _gpt2, 2):
         assert "error" not in r, r["error"]
         assert r["diffs"] == [0.0, 0.0]
+
+
+# ---------------------------------------------------------------- mixed precision (MixedPrecisionPolicy)
+
+
+def _mixed_precision(reshard_after_forward: bool | None, steps: int) -> dict:
+    """bf16 parameters, fp32 reduction, on every unit."""
+    batch = fc.mlp_batch(dist.get_rank())
+    build = lambda seed: fc.mlp(seed, width=64, depth=3)  # noqa: E731  (67 rows: shards of 34 and 33)
+    return fc.compare_with_fsdp2(
+        build,
+        batch,
+        steps=steps,
+        reshard_after_forward=reshard_after_forward,
+        time_limit_seconds=0.5,
+        mp_policy=fc.bf16_policy(),
+    )
+
+
+BF16_COLLECTIVES = {"all_gather": ["bfloat16"], "reduce_scatter": ["float32"]}
+
+
+def _check_mixed(ranks: list[dict], steps: int, collectives: int) -> None:
+    """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) on every unit: the plan gathers bf16
+    parameters and reduce-scatters fp32 gradients (its collectives' dtypes), the loss, gathered
+    parameters and optimizer state equal eager FSDP2's (and FSDP2 + checkpoint's) under the same
+    policy after every step, and the measured peak is below eager FSDP2's."""
+    _check(ranks, steps, collectives)
+    for r in ranks:
+        assert r["collective_dtypes"] == BF16_COLLECTIVES
+
+
+@pytest.mark.slow
+def test_two_ranks_without_reshard_after_forward_in_bf16_mixed_precision() -> None:
+    """reshard_after_forward=False under bf16 mixed precision: no backward gathers (12 collectives)."""
+    _check_mixed(fc.run_ranks(2, _mixed_precision, False, 3), steps=3, collectives=8 + 4)
+
+
+def _gpt2_mixed_precision(steps: int) -> dict:
+    from memplan.torch.zoo import build_workload
+
+    w = build_workload("gpt2-2l", 1, seed=dist.get_rank())
+    build = lambda seed: build_workload("gpt2-2l", 1, seed=seed).model  # noqa: E731
+    batch = (w.inputs, w.target)
+    return fc.compare_with_fsdp2(
+        build, batch, steps=steps, loss_fn=w.loss_fn, time_limit_seconds=1, mp_policy=fc.bf16_policy()
+    )
+
+
+@pytest.mark.slow
+def test_two_ranks_train_gpt2_bit_for_bit_like_fsdp2_in_bf16_mixed_precision() -> None:
+    """HF GPT-2 (2 layers) under bf16 mixed precision: its tied embedding's two bf16 gradients are
+    summed in bf16 before the fp32 reduction, as in eager FSDP2."""
+    for r in fc.run_ranks(2, _gpt2_mixed_precision, 3):
+        assert "error" not in r, r["error"]
+        assert r["collective_dtypes"] == BF16_COLLECTIVES
+        assert r["diffs"] == [0.0] * 3
 
 
 def _decoder(kind: str, steps: int) -> dict:
@@ -147,10 +215,10 @@ def _half_sharded(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _mixed_precision(model: torch.nn.Module) -> torch.nn.Module:
+def _fp16_reduction(model: torch.nn.Module) -> torch.nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    return fc.shard(model, 1, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    return fc.shard(model, 1, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))
 
 
 def _shard_dim_1(model: torch.nn.Module) -> torch.nn.Module:
@@ -181,7 +249,10 @@ def _offloaded(model: torch.nn.Module) -> torch.nn.Module:
 REFUSED = {
     "fsdp1": (_fsdp1, r"the model is wrapped in FSDP1's FullyShardedDataParallel: memplan plans FSDP2 only"),
     "half-sharded": (_half_sharded, r"parameter '1\.0\.weight' is not sharded while others are sharded"),
-    "mixed precision": (_mixed_precision, r"the root unit uses a MixedPrecisionPolicy .*drop mp_policy"),
+    "fp16 reduction": (
+        _fp16_reduction,
+        r"the root unit reduces its gradients in torch.float16 .*pre- and post-divides.*reduce_dtype=torch.float32",
+    ),
     "shard dim 1": (_shard_dim_1, r"the root unit shards parameter 'weight' on Shard\(1\): .*default Shard\(0\)"),
     "several modules": (_grouped_unit, r"fully_shard was applied to 2 modules at once"),
     "offload": (_offloaded, r"the root unit uses CPUOffloadPolicy"),
@@ -217,6 +288,52 @@ def test_one_rank_trains_bit_for_bit_like_fsdp2(one_rank) -> None:
     """The same comparison on one rank, in this process (the collectives copy)."""
     report = fc.compare_with_fsdp2(fc.mlp, fc.mlp_batch(0), steps=3)
     assert report["diffs"] == [0.0] * 3
+
+
+MIXED_POLICIES = {
+    "bf16 reduction": ({"param_dtype": torch.bfloat16}, {"all_gather": ["bfloat16"], "reduce_scatter": ["bfloat16"]}),
+    "fp32 output": (
+        {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32, "output_dtype": torch.float32},
+        BF16_COLLECTIVES,
+    ),
+    "fp32 params, bf16 reduction": (
+        {"reduce_dtype": torch.bfloat16},
+        {"all_gather": ["float32"], "reduce_scatter": ["bfloat16"]},
+    ),
+}
+
+
+class _Stack(torch.nn.Module):
+    """Every parameter in a block (``layers``: each a unit), none in the root: with output_dtype,
+    each block's fp32 output is cast back to bf16 by the next block's input cast, and the root
+    unit (no parameters) still casts its input and output, as FSDP2 does."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        blocks = [torch.nn.Sequential(torch.nn.Linear(n, 11), torch.nn.GELU()) for n in (16, 11)]
+        self.layers = torch.nn.ModuleList([*blocks, torch.nn.Linear(11, 5)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=[] if c == "fp32 output" else pytest.mark.slow) for c in MIXED_POLICIES]
+)
+def test_one_rank_trains_bit_for_bit_like_fsdp2_under_other_mixed_precision_policies(one_rank, case: str) -> None:
+    """The other pieces of a MixedPrecisionPolicy, on one rank: a bf16 reduction (reduce_dtype None:
+    the reduced shard cast back to fp32), output_dtype (each unit's output cast), and fp32 parameters
+    with gradients cast to bf16 for the reduction."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    options, dtypes = MIXED_POLICIES[case]
+    build = _Stack if "output" in case else lambda seed: fc.mlp(seed, width=8, depth=2)
+    report = fc.compare_with_fsdp2(build, fc.mlp_batch(0), steps=2, mp_policy=MixedPrecisionPolicy(**options))
+    assert report["collective_dtypes"] == dtypes
+    assert report["diffs"] == [0.0] * 2
 
 
 def test_a_collective_of_the_step_itself_is_refused(one_rank) -> None:
@@ -281,6 +398,48 @@ def test_memplan_run_fsdp_with_two_ranks(tmp_path) -> None:
         assert set(r["variants"]) == {"memplan", "fsdp2", "fsdp2_ckpt"}
         assert all(v["max_abs_diff"] == 0.0 for v in r["variants"].values())
         assert all(v["peak_bytes"] > 0 for v in r["variants"].values())
+
+
+@pytest.mark.slow
+def test_memplan_run_fsdp_with_a_budget(tmp_path) -> None:
+    """``memplan run MODEL --nproc 2 --fsdp --budget 0.9``: a fourth variant, memplan under the budget,
+    trains like eager FSDP2 on every rank; the JSON says what rank 0's plan decided. A budget no plan
+    reaches is refused in one line naming the smallest peak."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from memplan.cli import app
+
+    out = tmp_path / "run.json"
+    args = ["run", "mlp", "--nproc", "2", "--fsdp", "--steps", "2", "--time-limit", "1"]
+    result = CliRunner().invoke(app, [*args, "--budget", "0.9", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    for r in json.loads(out.read_text())["ranks"]:
+        assert set(r["variants"]) == {"memplan", "fsdp2", "fsdp2_ckpt", "memplan_budget"}
+        assert r["variants"]["memplan_budget"]["max_abs_diff"] == 0.0
+        assert r["budget"]["memory_budget"] == "0.9" and r["budget"]["method"] in ("reorder", "remat")
+    result = CliRunner().invoke(app, [*args, "--budget", "0.5"])
+    assert "rank 0 could not plan the step: memory_budget" in str(result.exception)
+    assert "\n" not in str(result.exception)
+
+
+@pytest.mark.parametrize(
+    ("options", "reason"),
+    [
+        (["--budget", "fit"], r"memory_budget='fit' is not planned for an FSDP2 step yet"),
+        (["--budget", "0.5", "--max-overhead", "0.1"], r"--budget and --max-overhead plan a training step on one"),
+    ],
+)
+def test_memplan_run_fsdp_refuses_a_budget_it_does_not_take_in_one_line(options: list[str], reason: str) -> None:
+    """Refused before any rank starts."""
+    from typer.testing import CliRunner
+
+    from memplan.cli import app
+
+    result = CliRunner().invoke(app, ["run", "mlp", "--nproc", "2", "--fsdp", *options])
+    assert result.exit_code != 0
+    assert re.search(reason, str(result.exception) + result.output), result.output
 
 
 def test_compile_step_plans_an_fsdp2_model_and_refuses_what_it_does_not_take(one_rank) -> None:

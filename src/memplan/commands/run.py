@@ -87,6 +87,11 @@ def print_budget(report: dict[str, Any], console: Console) -> None:
         if b["method"] == "remat"
         else "reordering and placement fit: nothing recomputed"
     )
+    if b["method"] == "remat" and b.get("joint_overhead") is not None:  # issue 36: which plan, both costs
+        how += (
+            f"; {b['remat_plan']} plan (sequential +{100 * b['sequential_overhead']:.2f}%, "
+            f"joint +{100 * b['joint_overhead']:.2f}%)"
+        )
     rounds = b.get("placement_rounds") or []
     if len(rounds) > 1:
         excess = format_bytes(rounds[0]["placed_peak_bytes"] - budget_bytes)
@@ -169,6 +174,7 @@ VARIANT_TITLES = {
     "ddp-view": "DDP (grad. as bucket view)",
     "fsdp2": "FSDP2",
     "fsdp2_ckpt": "FSDP2 + checkpoint",
+    "memplan_budget": "memplan + budget",
 }
 
 
@@ -185,6 +191,12 @@ def print_fsdp(reports: list[dict[str, Any]], console: Console) -> None:
         f"{format_bytes(first['arena_bytes'])}; loss, gathered parameters and optimizer state on every rank, "
         f"after every step, vs eager FSDP2 (with and without checkpointing): {verdict}"
     )
+    if first.get("budget"):
+        b = first["budget"]
+        console.print(
+            f"--budget {b['memory_budget']} ({format_bytes(b['budget_bytes'])}): rank 0's plan {b['method']}, "
+            f"{b['recomputed_ops']} ops recomputed, planned overhead +{100 * b['overhead']:.2f}%"
+        )
 
 
 def _fsdp_diff(reports: list[dict[str, Any]]) -> float:
@@ -249,6 +261,8 @@ def run_data_parallel(
         done = subprocess.run(launch_command(nproc, args), capture_output=True, text=True)
         if done.returncode != 0 or not out.exists():
             errors = [line for line in done.stderr.splitlines() if "Error" in line or "error:" in line]
+            ours = [line for line in done.stderr.splitlines() if "memplan.errors." in line]
+            errors = ours or errors  # a rank's refusal (a memplan.errors type) first
             cause = errors[-1].strip() if errors else (done.stderr.strip().splitlines() or ["no output"])[-1]
             raise MemplanError(f"the {nproc} ranks failed (torchrun exit {done.returncode}): {cause}")
         return json.loads(out.read_text())
@@ -337,14 +351,21 @@ def run(
     for path, suffix in ((snapshot, ".pickle"), (trace, ".json")):
         if path is not None and path.suffix != suffix:
             raise MemplanError(f"{path}: the file must end in {suffix}")
-    if (budget is not None or max_overhead is not None) and (nproc > 1 or mode.value != "train"):
-        raise MemplanError("--budget and --max-overhead plan a training step on one process: drop --nproc/--mode infer")
     if fsdp and nproc < 2:
         raise MemplanError("--fsdp shards the model over ranks: give --nproc 2 or more")
+    fsdp_budget = fsdp and budget is not None and max_overhead is None  # planned by every rank (compile_fsdp_step)
+    if (budget is not None or max_overhead is not None) and (nproc > 1 or mode.value != "train") and not fsdp_budget:
+        raise MemplanError("--budget and --max-overhead plan a training step on one process: drop --nproc/--mode infer")
     if fsdp:
         if mode.value != "train":
             raise MemplanError("--fsdp trains: it needs --mode train")
-        reports = run_data_parallel(model, batch_size, steps, nproc, "adamw", time_limit, None, waits, ["--fsdp"])
+        extra = ["--fsdp"]
+        if budget is not None:
+            from memplan.torch.distributed.fsdp_step import check_fsdp_budget
+
+            check_fsdp_budget(budget)  # "fit" or a malformed budget: refused here, in one line
+            extra += ["--budget", budget]
+        reports = run_data_parallel(model, batch_size, steps, nproc, "adamw", time_limit, None, waits, extra)
         print_fsdp(reports, console())
         write_json(json_path, {"ranks": reports})
         if _fsdp_diff(reports) != 0.0:

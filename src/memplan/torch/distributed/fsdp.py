@@ -33,12 +33,20 @@ exactly that dataflow on fakes, with no FSDP2 hook running:
   step, if it had none: :func:`link_state`), so every update lands in the user's own objects.
 * tied parameters (one FSDP2 parameter in several modules, as GPT-2's embedding and LM head)
   are gathered once and put in every place.
+* mixed precision (a unit's ``MixedPrecisionPolicy``) is mirrored where FSDP2 applies it: each
+  shard is cast to ``param_dtype`` into its all-gather input (the gathered parameters, their
+  forward and their gradients are in that dtype), the gradients are cast into a ``reduce_dtype``
+  reduce-scatter buffer and the reduced shard back to the shards' dtype (what the optimizer
+  sees), and every ``fully_shard``-ed module (one without parameters too) casts its floating-point
+  forward inputs to ``param_dtype`` (``cast_forward_inputs``) and its outputs to ``output_dtype``
+  with FSDP2's own functions (:class:`UnitPrecision`, :func:`forward_casts`).
 
 The graph is planned by rank 0 (order) and placed by every rank for its own shard sizes (a
 rank's last shard may be smaller); the collectives run synchronously at their planned place
 in the order (a first version: no communication stream yet). What this slice does not do yet is
 refused in one line each (:func:`read_layout`, :func:`refuse_unsupported`,
-:func:`refuse_foreign_collectives`): FSDP1's wrapper, mixed precision, CPU offload, HSDP meshes,
+:func:`refuse_foreign_collectives`): FSDP1's wrapper, a float16 gradient reduction (FSDP2 pre- and
+post-divides it), CPU offload, HSDP meshes,
 ``reshard_after_forward`` as an int, a unit over several modules, a shard dim other than 0, a
 model only partly sharded, a collective the step runs itself.
 """
@@ -72,6 +80,7 @@ class FsdpParam:
     local: torch.Tensor  # this rank's shard (the DTensor's local tensor)
     dtensor: torch.nn.Parameter
     aliases: tuple[tuple[str, str], ...] = ()  # (module, attribute) of every other place it is tied to
+    gather_dtype: torch.dtype | None = None  # the gathered (unsharded) parameter's: mp_policy.param_dtype, clamped
 
 
 @dataclass
@@ -82,6 +91,18 @@ class FsdpUnit:
     params: list[FsdpParam]
     reshard_after_forward: bool
     group: Any  # its shard process group
+    precision: UnitPrecision | None = None  # its MixedPrecisionPolicy's reduction (None: full precision)
+
+
+@dataclass(frozen=True)
+class UnitPrecision:
+    """How a unit's gradients are reduced under its ``MixedPrecisionPolicy`` (``FSDPParam.init_dtype_attrs``,
+    ``foreach_reduce``): they come in the gathered parameters' dtype, are cast to ``reduce_dtype``
+    for the reduce-scatter, and the reduced shard back to ``orig_dtype`` (the shards' dtype, what the
+    optimizer sees). The policy's forward casts are :attr:`FsdpLayout.casts`."""
+
+    reduce_dtype: torch.dtype | None  # None: the gradients' own dtype
+    orig_dtype: torch.dtype | None  # None: the unit has no trainable parameter
 
 
 @dataclass
@@ -94,6 +115,9 @@ class FsdpLayout:
     rank: int
     mesh: Any = None
     placements: tuple = ()
+    # every fully_shard-ed module (parameters or not) whose MixedPrecisionPolicy casts its forward's
+    # floating-point inputs or outputs: module name -> (input dtype or None, output dtype or None)
+    casts: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = field(default_factory=dict)
 
     @property
     def params(self) -> list[FsdpParam]:
@@ -122,10 +146,13 @@ def read_layout(model: torch.nn.Module) -> FsdpLayout:
     names = {id(m): n for n, m in model.named_modules()}
     units: list[FsdpUnit] = []
     groups = []
+    casts = {}
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
         state = module._get_fsdp_state()
+        if forward_casts(state._mp_policy) != (None, None):
+            casts[name] = forward_casts(state._mp_policy)
         if len(state._modules) != 1:
             raise UnplannedWrapper(
                 f"fully_shard was applied to {len(state._modules)} modules at once ({name!r}, ...): memplan plans "
@@ -134,8 +161,10 @@ def read_layout(model: torch.nn.Module) -> FsdpLayout:
         for group in state._fsdp_param_groups:
             refuse_unsupported(group, name, is_root=not name)
             groups.append(group)
-            params = [_param_of(fp, names, name) for fp in group.fsdp_params]
-            units.append(FsdpUnit(name, params, _reshards(state, group, not name), group.mesh_info.shard_process_group))
+            params = [_param_of(fp, names, name, group.mp_policy) for fp in group.fsdp_params]
+            precision = unit_precision(group.mp_policy, params)
+            pg = group.mesh_info.shard_process_group
+            units.append(FsdpUnit(name, params, _reshards(state, group, not name), pg, precision))
     if not units:
         raise MemplanError("the model has no fully_shard-ed module; use memplan.compile_step for an unsharded model")
     sharded = {id(p.dtensor) for u in units for p in u.params}
@@ -151,10 +180,11 @@ def read_layout(model: torch.nn.Module) -> FsdpLayout:
         raise UnplannedWrapper("the units of this model shard over different process groups; memplan plans one mesh")
     first = units[0].params[0].dtensor
     pg = units[0].group
-    return FsdpLayout(units, pg, dist.get_world_size(pg), dist.get_rank(pg), first.device_mesh, first.placements)
+    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    return FsdpLayout(units, pg, world, rank, first.device_mesh, first.placements, casts)
 
 
-def _param_of(fsdp_param: Any, names: dict[int, str], unit: str) -> FsdpParam:
+def _param_of(fsdp_param: Any, names: dict[int, str], unit: str, policy: Any) -> FsdpParam:
     from torch.distributed.tensor import Shard
 
     info = fsdp_param._module_info
@@ -172,7 +202,37 @@ def _param_of(fsdp_param: Any, names: dict[int, str], unit: str) -> FsdpParam:
     if dtensor.dim() == 0:
         raise UnplannedWrapper(f"parameter {name!r} is a scalar: memplan does not plan sharded 0-d parameters")
     aliases = tuple((names[id(m)], a) for m, a in zip(info.shared_modules, info.shared_param_names, strict=True))
-    return FsdpParam(name, module, info.param_name, tuple(dtensor.shape), dtensor._local_tensor, dtensor, aliases)
+    gather = _gather_dtype(policy, dtensor.dtype)
+    return FsdpParam(
+        name, module, info.param_name, tuple(dtensor.shape), dtensor._local_tensor, dtensor, aliases, gather
+    )
+
+
+def _gather_dtype(policy: Any, orig: torch.dtype) -> torch.dtype:
+    """The dtype FSDP2 gathers a parameter in: ``param_dtype``, unless the parameter is not
+    floating point or already of that dtype (``FSDPParam.init_dtype_attrs``)."""
+    if policy.param_dtype is None or not orig.is_floating_point:
+        return orig
+    return policy.param_dtype
+
+
+def unit_precision(policy: Any, params: list[FsdpParam]) -> UnitPrecision | None:
+    """How FSDP2 reduces a unit's gradients under ``policy`` (:class:`UnitPrecision`; None when
+    nothing is cast). ``reduce_dtype`` equal to ``param_dtype`` is FSDP2's "no cast" (its clamp)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if policy == MixedPrecisionPolicy():
+        return None
+    trainable = [p for p in params if p.dtensor.requires_grad]
+    reduce = None if policy.reduce_dtype == policy.param_dtype else policy.reduce_dtype
+    return UnitPrecision(reduce, trainable[0].dtensor.dtype if trainable else None)
+
+
+def forward_casts(policy: Any) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """The dtypes a fully_shard-ed module's forward inputs and outputs are cast to under ``policy``
+    (``FSDPState._cast_forward_inputs`` / ``_cast_output_dtype``; None: not cast)."""
+    cast_inputs = policy.param_dtype if policy.cast_forward_inputs else None
+    return cast_inputs, policy.output_dtype
 
 
 def _reshards(state: Any, group: Any, is_root: bool) -> bool:
@@ -185,14 +245,10 @@ def _reshards(state: Any, group: Any, is_root: bool) -> bool:
 def refuse_unsupported(group: Any, unit: str, *, is_root: bool) -> None:
     """Raise :class:`UnplannedWrapper` naming the first FSDP2 option of ``group`` this slice does
     not plan (``unit``: the module's name, "" for the root)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+    from torch.distributed.fsdp import CPUOffloadPolicy
 
     where = f"unit {unit!r}" if unit else "the root unit"
-    if group.mp_policy != MixedPrecisionPolicy():
-        raise UnplannedWrapper(
-            f"{where} uses a MixedPrecisionPolicy ({group.mp_policy}): memplan plans FSDP2 in full precision only "
-            "so far; drop mp_policy"
-        )
+    refuse_unsupported_precision(group.mp_policy, [fp.sharded_param.dtype for fp in group.fsdp_params], where)
     if isinstance(group.offload_policy, CPUOffloadPolicy):
         raise UnplannedWrapper(f"{where} uses CPUOffloadPolicy: memplan does not plan FSDP2 offloading; drop it")
     if type(group.mesh_info).__name__ != "FSDPMeshInfo":
@@ -218,6 +274,26 @@ def refuse_unsupported(group: Any, unit: str, *, is_root: bool) -> None:
     ]
     if changed:
         raise UnplannedWrapper(f"{where} sets {changed[0]}: memplan plans FSDP2's default gradient reduction only")
+
+
+REDUCED_DTYPES = (torch.float32, torch.bfloat16)  # reduced with AVG, no pre/post-division (FSDP2's rule)
+
+
+def refuse_unsupported_precision(policy: Any, dtypes: list[torch.dtype], where: str) -> None:
+    """Raise :class:`UnplannedWrapper` if ``policy`` reduces gradients in a dtype FSDP2 pre- and
+    post-divides (float16: ``_get_gradient_divide_factors``' overflow guard), which memplan does not
+    mirror; fp32 and bf16 reductions (any ``param_dtype``, ``output_dtype``, ``cast_forward_inputs``)
+    are planned. ``dtypes``: the unit's parameters' dtypes."""
+    floating = [d for d in dtypes if d.is_floating_point]
+    grads = {_gather_dtype(policy, d) for d in floating}
+    reduce = policy.reduce_dtype if policy.reduce_dtype not in (None, policy.param_dtype) else None
+    reduced = {reduce} if reduce is not None else grads
+    odd = [d for d in reduced if d not in REDUCED_DTYPES]
+    if odd:
+        raise UnplannedWrapper(
+            f"{where} reduces its gradients in {odd[0]} ({policy}), which FSDP2 pre- and "
+            "post-divides: memplan plans fp32 or bf16 reductions only; set reduce_dtype=torch.float32"
+        )
 
 
 # ---------------------------------------------------------------- the shard model
@@ -253,6 +329,8 @@ def _mirror(module: torch.nn.Module, local: dict[int, FsdpParam], made: dict[int
     for attr in ("_forward_pre_hooks", "_forward_hooks"):
         hooks = getattr(module, attr)
         setattr(twin, attr, OrderedDict((k, h) for k, h in hooks.items() if not _is_fsdp_hook(h)))
+    for attr in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+        setattr(twin, attr, OrderedDict(getattr(module, attr)))  # the twin's own: hooks added while tracing
     return twin
 
 
@@ -342,6 +420,7 @@ class Gathering:
             for u in layout.units
         ]
         self.group = fsdp_ops.register_group(layout.group)
+        self.casts = layout.casts
         # storage of a gathered parameter -> (unit, index, the parameter: held, so its key is not reused)
         self._saved: dict[int, tuple[_UnitTrace, int, torch.Tensor]] = {}
 
@@ -352,7 +431,10 @@ class Gathering:
         for ut in self.units:
             ut.shards = [owner._parameters[attr] for owner, attr in ut.owners]
             ut.fulls, ut.grads, ut.gathered, ut.reduced = [], {}, False, False
-            handles.append(self.modules[ut.unit.module].register_forward_pre_hook(self._pre_forward(ut), prepend=True))
+            module = self.modules[ut.unit.module]
+            handles.append(module.register_forward_pre_hook(self._pre_forward(ut), prepend=True))
+        for name, (cast_in, cast_out) in self.casts.items():
+            handles += _cast_hooks(self.modules[name], cast_in, cast_out)
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield self
@@ -390,8 +472,9 @@ class Gathering:
 
     def _gather(self, ut: _UnitTrace) -> list[torch.Tensor]:
         rows = [p.full_shape[0] for p in ut.unit.params]
+        dtypes = [p.gather_dtype for p in ut.unit.params]
         with torch.no_grad():
-            return [f.detach() for f in fsdp_ops.gather_unit(ut.shards, rows, self.group)]
+            return [f.detach() for f in fsdp_ops.gather_unit(ut.shards, rows, self.group, dtypes)]
 
     def _pack(self, t: torch.Tensor) -> Any:
         where = self._saved.get(storage_key(t))
@@ -418,8 +501,11 @@ class Gathering:
             return
         ut.reduced = True
         grads = [ut.grads[i] for i in wanted]
+        precision = ut.unit.precision
         with torch.no_grad():
-            flat = fsdp_ops.reduce_scatter_unit(grads, self.group)
+            flat = fsdp_ops.reduce_scatter_unit(grads, self.group, precision and precision.reduce_dtype)
+            if precision is not None and precision.orig_dtype not in (None, flat.dtype):
+                flat = flat.to(precision.orig_dtype)  # foreach_reduce's cast of the reduced shard
             offset = 0
             numels = fsdp_ops.scatter_numels(grads, dist.get_world_size(fsdp_ops.GROUPS[self.group]))
             for i, n in zip(wanted, numels, strict=True):
@@ -434,6 +520,29 @@ class Gathering:
             for hook in (getattr(shard, "_post_accumulate_grad_hooks", None) or {}).values():
                 hook(shard)  # as FSDP2's foreach_reduce calls them on the sharded parameter
         ut.grads = {}
+
+
+def _cast_hooks(module: torch.nn.Module, input_dtype: torch.dtype | None, output_dtype: torch.dtype | None) -> list:
+    """FSDP2's forward casts of a fully_shard-ed module under its MixedPrecisionPolicy, with FSDP2's
+    own functions: its floating-point inputs (args and kwargs) to ``input_dtype`` before the forward,
+    its outputs to ``output_dtype`` after it (``FSDPState._pre_forward`` / ``_post_forward``)."""
+    import functools
+
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _cast_fp_tensor
+    from torch.distributed.utils import _apply_to_tensors
+
+    handles = []
+    if input_dtype is not None:
+        cast_in = functools.partial(_cast_fp_tensor, input_dtype)
+
+        def pre(_: torch.nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+            return _apply_to_tensors(cast_in, args), _apply_to_tensors(cast_in, kwargs)
+
+        handles.append(module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
+    if output_dtype is not None:
+        cast_out = functools.partial(_cast_fp_tensor, output_dtype)
+        handles.append(module.register_forward_hook(lambda _m, _a, out: _apply_to_tensors(cast_out, out)))
+    return handles
 
 
 def capture_fsdp_step(

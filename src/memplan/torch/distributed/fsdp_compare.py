@@ -158,14 +158,29 @@ def _held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
 EAGER_VARIANTS = ("fsdp2", "fsdp2_ckpt")  # eager FSDP2, and eager FSDP2 with every block checkpointed
 
 
-def eager_model(build: Callable[[int], nn.Module], variant: str, reshard_after_forward: bool | None = None):
-    """An eager variant's sharded model from seed 0: FSDP2 alone, or with its blocks checkpointed."""
+def bf16_policy() -> Any:
+    """FSDP2's usual mixed precision: parameters gathered (and computed on) in bf16, gradients
+    reduced in fp32, the shards and the optimizer in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def eager_model(
+    build: Callable[[int], nn.Module], variant: str, reshard_after_forward: bool | None = None, mp_policy: Any = None
+):
+    """An eager variant's sharded model from seed 0: FSDP2 alone, or with its blocks checkpointed
+    (every unit under ``mp_policy``, a ``MixedPrecisionPolicy``, if given)."""
     if variant not in EAGER_VARIANTS:
         raise ValueError(f"unknown variant {variant!r}")
     model = build(0)
     if variant == "fsdp2_ckpt":
         checkpoint_blocks(model)
-    return shard(model, dist.get_world_size(), reshard_after_forward)
+    return shard(model, dist.get_world_size(), reshard_after_forward, **_policy(mp_policy))
+
+
+def _policy(mp_policy: Any) -> dict[str, Any]:
+    return {} if mp_policy is None else {"mp_policy": mp_policy}
 
 
 def compare_with_fsdp2(
@@ -177,8 +192,10 @@ def compare_with_fsdp2(
     loss_fn: Callable = cross_entropy,
     time_limit_seconds: float = 2.0,
     memory_budget: int | float | str | None = None,
+    mp_policy: Any = None,
 ) -> dict[str, Any]:
-    """This rank's report: ``diffs`` (max abs difference of loss, gathered parameters and optimizer
+    """This rank's report (every variant's units under ``mp_policy``, a ``MixedPrecisionPolicy``, if
+    given): ``diffs`` (max abs difference of loss, gathered parameters and optimizer
     state to eager FSDP2's, after each step), ``ckpt_diffs`` (the same to eager FSDP2 with every block
     checkpointed), ``peaks`` (measured, by variant) and the plan's claim. With ``memory_budget``, a
     fourth variant, ``memplan_budget`` (memplan's step under that budget), and its ``budget_diffs``
@@ -187,14 +204,14 @@ def compare_with_fsdp2(
     from memplan.torch.measure import allocator_peak_bytes
 
     torch.set_num_threads(1)
-    models = {name: eager_model(build, name, reshard_after_forward) for name in EAGER_VARIANTS}
+    models = {name: eager_model(build, name, reshard_after_forward, mp_policy) for name in EAGER_VARIANTS}
     optimizers = {name: adamw(m) for name, m in models.items()}
-    ours = shard(build(0), dist.get_world_size(), reshard_after_forward)
+    ours = shard(build(0), dist.get_world_size(), reshard_after_forward, **_policy(mp_policy))
     opt = adamw(ours)
     step = compile_fsdp_step(ours, opt, loss_fn, batch, time_limit_seconds=time_limit_seconds)
     runs = {name: _eager(models[name], optimizers[name], loss_fn) for name in EAGER_VARIANTS} | {"memplan": step}
     if memory_budget is not None:
-        budgeted = shard(build(0), dist.get_world_size(), reshard_after_forward)
+        budgeted = shard(build(0), dist.get_world_size(), reshard_after_forward, **_policy(mp_policy))
         budget_opt = adamw(budgeted)
         runs["memplan_budget"] = compile_fsdp_step(
             budgeted, budget_opt, loss_fn, batch, time_limit_seconds=time_limit_seconds, memory_budget=memory_budget
@@ -245,8 +262,22 @@ def compare_with_fsdp2(
         "arena_bytes": runner.arena.numel(),
         "planned_peak_bytes": step.report["planned_peak_bytes"],
         "collectives": sum("memplan_fsdp" in str(n.target) for n in runner.capture.gm.graph.nodes),
+        "collective_dtypes": collective_dtypes(runner.capture),
         "median_seconds": {n: sorted(s)[len(s) // 2] for n, s in seconds.items()},
     }
+
+
+def collective_dtypes(capture: Any) -> dict[str, list[str]]:
+    """The dtypes the plan's collectives move, by op (``all_gather``, ``reduce_scatter``): under
+    bf16 mixed precision, bf16 gathers and fp32 reductions."""
+    found: dict[str, set[str]] = {}
+    for node in capture.gm.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "namespace", "") == "memplan_fsdp":
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                name = node.target._schema.name.split("::")[-1]
+                found.setdefault(name, set()).add(str(val.dtype).removeprefix("torch."))
+    return {name: sorted(dtypes) for name, dtypes in sorted(found.items())}
 
 
 def _rank_main(rank: int, world: int, store: str, out: str, fn: Callable, args: tuple) -> None:
@@ -282,6 +313,7 @@ def measure_rss(
     warmup_steps: int = 2,
     time_limit_seconds: float = 2.0,
     memory_budget: int | float | str | None = None,
+    mp_policy: Any = None,
 ) -> dict[str, Any]:
     """This process's peak resident set during one steady step of ``variant`` ("memplan", "fsdp2",
     "fsdp2_ckpt", or "memplan_budget": memplan's step under ``memory_budget``) alone, above ``base``
@@ -300,14 +332,14 @@ def measure_rss(
     release_free_memory()
     base = rss_bytes()
     if variant in ("memplan", "memplan_budget"):
-        model = shard(build(0), dist.get_world_size())
+        model = shard(build(0), dist.get_world_size(), **_policy(mp_policy))
         optimizer = adamw(model)
         budget = memory_budget if variant == "memplan_budget" else None
         run = compile_fsdp_step(
             model, optimizer, loss_fn, batch, time_limit_seconds=time_limit_seconds, memory_budget=budget
         )
     else:
-        model = eager_model(build, variant)
+        model = eager_model(build, variant, mp_policy=mp_policy)
         optimizer = adamw(model)
         run = _eager(model, optimizer, loss_fn)
     for k in range(warmup_steps):
@@ -323,12 +355,25 @@ def measure_rss(
     return {"rank": dist.get_rank(), "variant": variant, "base_bytes": base, "peak_above_base": peak - base}
 
 
-def zoo_report(model_name: str, batch_size: int, steps: int, time_limit_seconds: float = 2.0) -> dict[str, Any]:
+# what zoo_report keeps of the budgeted plan's report (memplan run --fsdp --budget)
+BUDGET_KEYS = ("memory_budget", "budget_bytes", "method", "recomputed_ops", "regathered", "overhead")
+BUDGET_KEYS += ("remat_peak_bytes", "reordered_peak_bytes")
+
+
+def zoo_report(
+    model_name: str,
+    batch_size: int,
+    steps: int,
+    time_limit_seconds: float = 2.0,
+    memory_budget: int | float | str | None = None,
+) -> dict[str, Any]:
     """:func:`compare_with_fsdp2` on a zoo model (every rank its own batch, from its rank's seed),
     as ``memplan run MODEL --nproc N --fsdp`` reports it: ``variants.{memplan, fsdp2, fsdp2_ckpt}``
     (FSDP2 with every block under ``torch.utils.checkpoint``), each with
     ``max_abs_diff`` (to memplan's numbers, over every step) and ``peak_bytes`` (measured: what it
-    holds between steps + the allocator's peak during a steady step)."""
+    holds between steps + the allocator's peak during a steady step). With ``memory_budget``
+    (``--budget``), a fourth variant ``memplan_budget`` (its ``max_abs_diff`` to eager FSDP2's) and
+    ``budget``: what rank 0's budgeted plan decided."""
     from memplan.torch.zoo import build_workload
 
     rank = dist.get_rank()
@@ -339,16 +384,24 @@ def zoo_report(model_name: str, batch_size: int, steps: int, time_limit_seconds:
     def build(seed: int) -> nn.Module:
         return build_workload(model_name, batch_size, seed=seed).model
 
-    r = compare_with_fsdp2(build, batch, steps=steps, loss_fn=loss_fn, time_limit_seconds=time_limit_seconds)
+    r = compare_with_fsdp2(
+        build, batch, steps=steps, loss_fn=loss_fn, time_limit_seconds=time_limit_seconds, memory_budget=memory_budget
+    )
     worst = {"memplan": 0.0, "fsdp2": max(r["diffs"]), "fsdp2_ckpt": max(r["ckpt_diffs"])}
+    names = ("memplan", *EAGER_VARIANTS)
+    if memory_budget is not None:
+        worst["memplan_budget"] = max(r["budget_diffs"])
+        names = (*names, "memplan_budget")
     variants = {
         name: {
             "max_abs_diff": worst[name],
             "peak_bytes": r["held_bytes"][name] + r["step_peak_bytes"][name],
             "step_seconds": r["median_seconds"][name],
         }
-        for name in ("memplan", *EAGER_VARIANTS)
+        for name in names
     }
+    budget = r.get("budget_report")
+    extra = {} if budget is None else {"budget": {k: v for k, v in budget.items() if k in BUDGET_KEYS}}
     return {
         "rank": rank,
         "model": model_name,
@@ -360,4 +413,5 @@ def zoo_report(model_name: str, batch_size: int, steps: int, time_limit_seconds:
         "arena_bytes": r["arena_bytes"],
         "planned_peak_bytes": r["planned_peak_bytes"],
         "collectives": r["collectives"],
+        **extra,
     }

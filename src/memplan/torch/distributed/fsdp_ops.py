@@ -86,16 +86,21 @@ _LIB.impl("all_gather", lambda inp, group: inp.new_empty(dist.get_world_size(GRO
 _LIB.impl("reduce_scatter", lambda inp, group: inp.new_empty(inp.numel() // dist.get_world_size(GROUPS[group])), "Meta")
 
 
-def gather_unit(shards: list[torch.Tensor], full_rows: list[int], group: int) -> list[torch.Tensor]:
+def gather_unit(
+    shards: list[torch.Tensor], full_rows: list[int], group: int, dtypes: list[torch.dtype | None] | None = None
+) -> list[torch.Tensor]:
     """The full parameters of one unit from every rank's (unpadded) dim-0 shards: one all-gather
     per parameter of its shard padded to ``ceil(rows / world)`` rows, whose output is the padded
     full parameter (rank-major), so no copy-out is needed (FSDP2 gathers a unit at once and
-    copies each parameter out; a gather is a copy, so the bits are the same)."""
+    copies each parameter out; a gather is a copy, so the bits are the same). ``dtypes``: each
+    parameter's gathered dtype (mixed precision's ``param_dtype``): the shard is cast into the
+    padded all-gather input, as FSDP2's ``_get_param_all_gather_inputs`` copies it in."""
     world = dist.get_world_size(GROUPS[group])
     result = []
-    for s, rows in zip(shards, full_rows, strict=True):
+    for s, rows, dtype in zip(shards, full_rows, dtypes or [None] * len(shards), strict=True):
         chunk = padded_rows(rows, world)
-        padded = s.new_empty((chunk, *s.shape[1:]))  # the same ops on every rank; the padding is never read
+        # the same ops on every rank; the padding is never read
+        padded = s.new_empty((chunk, *s.shape[1:]), dtype=dtype or s.dtype)
         padded[: s.shape[0]].copy_(s)
         full = torch.ops.memplan_fsdp.all_gather(padded.view(-1), group).view(world * chunk, *s.shape[1:])
         result.append(full[:rows])
@@ -107,13 +112,15 @@ def scatter_numels(grads: list[torch.Tensor], world: int) -> list[int]:
     return [padded_rows(g.shape[0], world) * _row_numel(g) for g in grads]
 
 
-def reduce_scatter_unit(grads: list[torch.Tensor], group: int) -> torch.Tensor:
+def reduce_scatter_unit(grads: list[torch.Tensor], group: int, reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
     """This rank's flat shard of the unit's gradients averaged over the ranks: FSDP2's
     ``chunk_cat`` copy-in (rank ``r``'s row: chunk ``r`` of every padded gradient, zeros past
-    its last row) and its reduce-scatter."""
+    its last row) and its reduce-scatter. ``reduce_dtype`` (mixed precision): the buffer's dtype,
+    the gradients cast into it by the copy-in (FSDP2 casts each gradient first,
+    ``to_accumulated_grad_if_needed``: the same rounding, one copy fewer)."""
     world = dist.get_world_size(GROUPS[group])
     numels = scatter_numels(grads, world)
-    inp = grads[0].new_empty((world, sum(numels)))  # the padding is reduced, never read
+    inp = grads[0].new_empty((world, sum(numels)), dtype=reduce_dtype or grads[0].dtype)  # padding: never read
     offset = 0
     for g, n in zip(grads, numels, strict=True):
         rows, row_numel = g.shape[0], _row_numel(g)

@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rss", default=None, help="measure the peak RSS of this variant alone")
     parser.add_argument("--trace", default=None, help="write one profiled step of each variant to this JSON")
     parser.add_argument("--fsdp", action="store_true", help="shard with FSDP2 and compare with eager FSDP2")
+    parser.add_argument("--budget", default=None, help="with --fsdp: memplan under this memory_budget too")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
             "optimizer_name": args.optimizer,
         }
         if args.fsdp:
-            reports = _fsdp_reports(args.model, args.batch, args.steps, args.time_limit)
+            reports = _fsdp_reports(args.model, args.batch, args.steps, args.time_limit, args.budget)
         elif args.rss:
             reports = compare.measure_rss(args.model, args.batch, args.rss, **common)
         else:
@@ -73,13 +74,13 @@ def main(argv: list[str] | None = None) -> None:
         dist.destroy_process_group()
 
 
-def _fsdp_reports(model: str, batch: int, steps: int, time_limit: float) -> list[dict] | None:
+def _fsdp_reports(model: str, batch: int, steps: int, time_limit: float, budget: str | None) -> list[dict] | None:
     """Every rank's :func:`memplan.torch.distributed.fsdp_compare.zoo_report`, on rank 0."""
     import torch.distributed as dist
 
     from memplan.torch.distributed.fsdp_compare import zoo_report
 
-    report = zoo_report(model, batch, steps, time_limit)
+    report = zoo_report(model, batch, steps, time_limit, memory_budget=budget)
     reports: list = [None] * dist.get_world_size()
     dist.all_gather_object(reports, report)
     return reports if dist.get_rank() == 0 else None
