@@ -1,5 +1,5 @@
 """Issue 33's LLM-size budget case: a Llama-style decoder (HF LlamaForCausalLM from a config: 4 layers,
-hidden 1024, 0.12B parameters), AdamW, batch 1 x 512 tokens, at memory budgets between the proven
+hidden 1024, 0.12B parameters), AdamW, batch 1 (``--batch``) x 512 tokens, at memory budgets between the proven
 floor and the reordered peak. For each budget: plan found or refused (the one line), the planned
 peak, compute overhead, the measured peak of memplan's counted bytes and the process's RSS, and the
 loss / parameters after N steps against the same step run eagerly (max abs diff).
@@ -8,10 +8,16 @@ The peaks are counted as the runtime holds memory: an update group is one call o
 AdamW with the gradient held as ``.grad`` for the whole call, so the lm_head's 125 MiB gradient is
 resident while its update allocates two 125 MiB temporaries: capture makes it an input of every op
 of its update group (``memplan.torch.capture.trace.hold_update_inputs``), so the reorderer plans for it.
-Remat keeps the reordered plan's stage order (``memplan.remat.portfolio.solve_remat_in_order``).
+Remat keeps the reordered plan's stage order (``memplan.remat.portfolio.solve_remat_in_order``), or
+the same with the optimizer's updates moved early where the greedy at the peak does better there
+(``memplan.remat.stage_order``): at batch 2 the reordered plan keeps program order's updates (its
+peak is at the loss) and the embedding's update, every other gradient held, is a second peak
+(1.99 GiB) no recomputation lowers.
 
     python bench/llama_budget.py --budgets 1.85GiB,1.8GiB,1.75GiB,1.7GiB,1.6GiB,1.55GiB --steps 3 \
         --out bench/results/llama_budget.md
+    python bench/llama_budget.py --batch 2 --budgets 1.95GiB,1.85GiB,1.78GiB,1.72GiB,1.7GiB --steps 2 \
+        --out bench/results/llama_budget_b2.md
 """
 
 from __future__ import annotations
@@ -31,14 +37,14 @@ from memplan.report.format import format_bytes
 from memplan.torch.rss import peak_rss_bytes, reset_peak_rss, rss_bytes
 
 
-def llama(seed: int = 0):
+def llama(seed: int = 0, batch: int = 1):
     from fit import build  # bench/fit.py's Llama: the same config
 
     torch.manual_seed(seed)
-    return build("llama", 1)
+    return build("llama", batch)
 
 
-def run(budget: str, steps: int, time_limit: float) -> dict:
+def run(budget: str, steps: int, time_limit: float, batch_size: int = 1) -> dict:
     """One budget, in a process of its own (see :func:`main`): its peak RSS is this budget's.
 
     The OS's account: ``outside_before`` is what the process holds outside the step's own tensors
@@ -51,9 +57,9 @@ def run(budget: str, steps: int, time_limit: float) -> dict:
 
     from memplan.api import compile_step  # a library of the step: OR-Tools and pandas come with it
 
-    row: dict = {"budget": budget, "steps": steps, "time_limit_s": time_limit}
+    row: dict = {"budget": budget, "steps": steps, "time_limit_s": time_limit, "batch": batch_size}
     row["libraries_rss_bytes"] = rss_bytes()  # the process before the model: interpreter, torch, transformers
-    w = llama()
+    w = llama(batch=batch_size)
     model = w.model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = (w.inputs, w.target)
@@ -87,7 +93,7 @@ def run(budget: str, steps: int, time_limit: float) -> dict:
         recomputed_ops=report.get("recomputed_ops"),
     )
     row["held"] = row["step_peak_os_bytes"] <= row["budget_bytes"]
-    reference = llama()  # the same seed: the same initial parameters and batch, built after memplan's peak
+    reference = llama(batch=batch_size)  # the same seed: the same parameters and batch, built after the peak
     eager_model = reference.model
     eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-3)
     assert torch.equal(reference.inputs, w.inputs)
@@ -115,9 +121,9 @@ def _outside_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
     return rss_bytes() - step_tensor_bytes(model, [optimizer], batch, torch.device("cpu"))
 
 
-def markdown(rows: list[dict], command: str) -> str:
+def markdown(rows: list[dict], command: str, batch: int = 1) -> str:
     lines = [
-        "# Llama-style decoder (0.12B, 4 layers, hidden 1024), AdamW, batch 1 x 512, under a memory_budget",
+        f"# Llama-style decoder (0.12B, 4 layers, hidden 1024), AdamW, batch {batch} x 512, under a memory_budget",
         "",
         f"`{command}` (each budget in a process of its own; peak RSS from the model's creation on; libraries: the "
         "process before the model: the interpreter, torch, transformers and memplan.api; OR-Tools and pandas load "
@@ -162,21 +168,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--time-limit", type=float, default=10.0, help="memplan's default time_limit_seconds")
     parser.add_argument("--out", default="bench/results/llama_budget.md")
+    parser.add_argument("--batch", type=int, default=1, help="sequences of 512 tokens per step")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child process of one budget: prints its row
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(run(args.one, args.steps, args.time_limit)), flush=True)
+        print(json.dumps(run(args.one, args.steps, args.time_limit, args.batch)), flush=True)
         return
     command = "python bench/llama_budget.py " + " ".join(sys.argv[1:])
     rows = []
     for budget in args.budgets.split(","):
-        child = [sys.executable, __file__, "--one", budget, "--steps", str(args.steps)]
+        child = [sys.executable, __file__, "--one", budget, "--steps", str(args.steps), "--batch", str(args.batch)]
         done = subprocess.run([*child, "--time-limit", str(args.time_limit)], capture_output=True, text=True)
         if done.returncode != 0:
             raise SystemExit(f"{budget}: the child process failed: {done.stderr[-2000:]}")
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), flush=True)
-        Path(args.out).write_text(markdown(rows, command))
+        Path(args.out).write_text(markdown(rows, command, args.batch))
         Path(args.out).with_suffix(".json").write_text(json.dumps(rows, indent=1))
 
 

@@ -81,6 +81,7 @@ from memplan.remat.moccasin import (
 )
 from memplan.remat.problem import RematProblem, RematSchedule, default_costs, memory_floor
 from memplan.remat.stage_bounds import near_proof
+from memplan.remat.stage_order import broken_group, call_groups, early_update_order
 
 WHOLE = 10**9
 """``max_solver_nodes`` that keeps every unit: the whole graph (0-byte ops ride with the op before)."""
@@ -787,6 +788,7 @@ def solve_remat_in_order(
     workers: int = 2,
     reorder: bool = False,
     progress: Progress | None = None,
+    groups: Sequence[Sequence[int]] | None = None,
 ) -> RematSchedule:
     """:func:`solve_remat` with the stages in ``order`` (a topological order of ``graph``'s ops,
     e.g. the reordered plan's, OLLA's lifetime optimisation) instead of program order: the
@@ -798,12 +800,22 @@ def solve_remat_in_order(
     A memory floor is a bound only for the plans whose first runs keep its order: the answer is
     "infeasible" only when the budget is below the floor in ``order`` *and* in program order
     (``details["floor_bytes"]``: the lower of the two); where only ``order``'s floor proves
-    nothing fits, the portfolio runs again in program order."""
+    nothing fits, the portfolio runs again in program order.
+
+    ``groups``: the runtime's update groups (each run as one call of the user's optimizer;
+    None: as the graph shows them, :func:`memplan.remat.stage_order.call_groups`; ``()``: none).
+    With groups, the stages may instead keep ``order`` with the updates moved early
+    (:func:`memplan.remat.stage_order.early_update_order`), where the greedy at the peak does
+    better (:func:`_choose_stage_order`; ``details["stage_order"]`` says :data:`EARLY_UPDATES`);
+    a plan there that runs another op inside a group (a re-run before a group's later op) is
+    not kept: the portfolio runs again in ``order`` in the time left."""
+    start = time.perf_counter()
+
     def in_program_order() -> RematSchedule:
         return solve_remat(
             graph,
             budget_bytes,
-            time_limit_seconds,
+            max(0.1, time_limit_seconds - (time.perf_counter() - start)),  # the time left
             cost=cost,
             workspace=workspace,
             workers=workers,
@@ -816,21 +828,35 @@ def solve_remat_in_order(
         plan.details["stage_order"] = "program"
         return plan
     validate_order(graph, order)
-    staged = Graph(tuple(graph.ops[v] for v in order), graph.tensors, graph.name, dict(graph.meta))
     cost = tuple(cost or default_costs(graph))
-    plan = solve_remat(
-        staged,
-        budget_bytes,
-        time_limit_seconds,
-        cost=tuple(cost[v] for v in order),
-        workspace=tuple(workspace[v] for v in order) if workspace else (),
-        workers=workers,
-        reorder=reorder,
-        progress=progress,
-        lead=peak_greedy,
+    given = list(order)
+    groups = call_groups(graph) if groups is None else groups
+    order, staged, lead, label = _choose_stage_order(
+        graph, given, budget_bytes, time_limit_seconds, cost, workspace, workers, groups
     )
-    plan.steps = [(kind, int(order[i]) if kind == "run" else i) for kind, i in plan.steps]
-    plan.details["stage_order"] = "reordered"
+
+    def in_stage_order() -> RematSchedule:
+        found = solve_remat(
+            staged,
+            budget_bytes,
+            max(0.1, time_limit_seconds - (time.perf_counter() - start)),
+            cost=tuple(cost[v] for v in order),
+            workspace=tuple(workspace[v] for v in order) if workspace else (),
+            workers=workers,
+            reorder=reorder,
+            progress=progress,
+            lead=lead,
+        )
+        found.steps = [(kind, int(order[i]) if kind == "run" else i) for kind, i in found.steps]
+        return found
+
+    plan = in_stage_order()
+    if label == EARLY_UPDATES and plan.steps and broken_group(plan.steps, groups) is not None:
+        order, label, lead = given, "reordered", peak_greedy  # rare: a re-run inside an update group
+        staged = Graph(tuple(graph.ops[v] for v in order), graph.tensors, graph.name, dict(graph.meta))
+        plan = in_stage_order()
+    plan.seconds = time.perf_counter() - start
+    plan.details["stage_order"] = label
     if "groups" in plan.details:
         plan.details["groups"] = tuple(tuple(int(order[v]) for v in group) for group in plan.details["groups"])  # type: ignore[union-attr]
     if plan.steps:
@@ -839,7 +865,7 @@ def solve_remat_in_order(
     floor = memory_floor(RematProblem(graph, int(budget_bytes), cost, workspace=workspace)).bytes
     staged_floor = int(plan.details.get("floor_bytes") or floor)  # type: ignore[call-overload]
     plan.details["floor_bytes"] = min(floor, staged_floor)
-    if plan.status == "infeasible" and budget_bytes < floor and "lowest_peak_bytes" not in plan.details:
+    if plan.status == "infeasible" and budget_bytes < staged_floor and "lowest_peak_bytes" not in plan.details:
         # proven at once by the floors: the greedy at the floor names a peak a plan reaches (the advice)
         near = RematProblem(
             staged,
@@ -856,8 +882,66 @@ def solve_remat_in_order(
     if plan.status == "infeasible" and budget_bytes >= floor:
         again = in_program_order()
         again.details["stage_order"] = "program (no plan keeps the reordered order: its memory floor)"
+        lowest = [p.details.get("lowest_peak_bytes") for p in (plan, again)]
+        if not again.feasible and any(lowest):
+            again.details["lowest_peak_bytes"] = min(int(x) for x in lowest if x)  # type: ignore[call-overload]
         return again
     return plan
+
+
+EARLY_UPDATES = "reordered, updates moved early"
+"""``details["stage_order"]`` of a plan whose stages keep :func:`memplan.remat.stage_order.early_update_order`."""
+
+
+def _choose_stage_order(
+    graph: Graph,
+    order: Sequence[int],
+    budget_bytes: int,
+    time_limit_seconds: float,
+    cost: tuple[float, ...],
+    workspace: tuple[int, ...],
+    workers: int,
+    groups: Sequence[Sequence[int]],
+) -> tuple[list[int], Graph, Callable[[RematProblem], RematSchedule], str]:
+    """The stage order :func:`solve_remat_in_order` keeps: ``order``, or (given the runtime's
+    update ``groups``) the same with the updates moved as early as they may run
+    (:func:`memplan.remat.stage_order.early_update_order`),
+    whichever :func:`memplan.remat.baselines.peak_greedy` does better in (a plan within the
+    budget, the cheaper; else the lower peak; ``order`` on a tie), each within half of
+    :data:`LEAD_SHARE` of the time. Returns the order, the graph with its ops listed in it, the
+    chosen greedy's plan as the portfolio's ``lead`` (not run again) and the order's label.
+
+    Where the reordered plan's peak is in the forward or backward pass the reorderer leaves the
+    optimizer's calls after the backward, every gradient held until its update; once remat
+    lowers that peak, the update's is the next, and no recomputation lowers it (the Llama of
+    ``bench/llama_budget.py`` at batch 2: 1.99 GiB in ``order``, budgets down to 1.72 GiB
+    planned with the updates moved early)."""
+    candidates = [(list(order), "reordered")]
+    early = early_update_order(graph, order, groups)
+    if early != list(order):
+        candidates.append((early, EARLY_UPDATES))
+    best: tuple[tuple[int, float], list[int], Graph, RematSchedule, str] | None = None
+    share = LEAD_SHARE * time_limit_seconds / len(candidates)
+    for candidate, label in candidates:
+        staged = Graph(tuple(graph.ops[v] for v in candidate), graph.tensors, graph.name, dict(graph.meta))
+        problem = RematProblem(
+            staged,
+            int(budget_bytes),
+            tuple(cost[v] for v in candidate),
+            share,
+            workers,
+            WHOLE,
+            tuple(workspace[v] for v in candidate) if workspace else (),
+        )
+        began = time.perf_counter()
+        with within(Deadline(began, began + share)):
+            plan = peak_greedy(problem)
+        rank = (0, plan.compute_cost) if plan.feasible else (1, float(plan.peak_bytes if plan.steps else 2**62))
+        if best is None or rank < best[0]:
+            best = (rank, candidate, staged, plan, label)
+    assert best is not None
+    _, chosen, staged, plan, label = best
+    return chosen, staged, (lambda _problem: plan), label
 
 
 def moccasin_strategy(problem: RematProblem) -> RematSchedule:
