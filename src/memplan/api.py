@@ -46,10 +46,11 @@ from memplan.torch.capture.wrappers import refuse_unplanned_wrappers
 from memplan.torch.rss import release_free_memory
 from memplan.torch.run.allocator import alignment_for
 from memplan.torch.run.arena import LruCache, SharedArena
+from memplan.torch.run.first_state import state_step_within_eager
 from memplan.torch.run.interpreter import Plan, StepRunner, allocator_tensors, optimizer_update_groups
 from memplan.torch.run.plancache import StepCache, account_first_steps, open_plan_cache
 from memplan.torch.run.replay import ReplayedStep
-from memplan.torch.run.shapes import ShapeReplay, Template, check_dynamic, largest_batch, reuse_plan
+from memplan.torch.run.shapes import ShapeReplay, Template, check_dynamic, first_reuse, largest_batch, reuse_plan
 from memplan.torch.run.updates import check_optimizers
 
 if TYPE_CHECKING:
@@ -102,8 +103,10 @@ def capture_for(
     scaler: Any = None,
     schedulers: Sequence[Any] = (),
     recompute_copies: bool = True,
+    like: Capture | None = None,
 ) -> Capture:
-    """The capture of :func:`plan_step` (``fn=None``: inference), not planned."""
+    """The capture of :func:`plan_step` (``fn=None``: inference), not planned; ``like``: a
+    capture of this step at another shape (one fake run where it holds, :func:`capture_step`)."""
     if fn is None:
         return capture_infer_step(model, batch)
     check_optimizers(optimizers, model)
@@ -115,6 +118,7 @@ def capture_for(
         scaler=scaler,
         schedulers=schedulers,
         recompute_copies=recompute_copies,
+        like=like,
     )
 
 
@@ -351,7 +355,10 @@ class CompiledStep:
 
     def _run(self, runner: StepRunner | ReplayedStep, batch: Any) -> Any:
         if not isinstance(runner, ReplayedStep):
-            return runner(batch)
+            if id(runner) in self._own_arena:
+                return runner(batch)
+            with state_step_within_eager(runner, self.model, self.optimizers):  # issue 37: run/first_state.py
+                return runner(batch)
         was_replaying, placing_seconds = runner.replaying, runner.planning_seconds
         result = runner(batch)
         self.planning_seconds += runner.planning_seconds - placing_seconds
@@ -415,7 +422,7 @@ class CompiledStep:
             kept = self._kept[key]
         return kept[0]
 
-    def _capture(self, batch: Any) -> Capture:
+    def _capture(self, batch: Any, like: Capture | None = None) -> Capture:
         return capture_for(
             self.fn,
             batch,
@@ -424,6 +431,7 @@ class CompiledStep:
             scaler=self.scaler,
             schedulers=self.schedulers,
             recompute_copies=self.recompute_copies,
+            like=like,
         )
 
     def _solve(self, capture: Capture, key: tuple) -> MemoryPlan:
@@ -462,18 +470,21 @@ class CompiledStep:
             self.plans_reused += 1
             self._log(key, "the plan made for it", start)
             return same.capture, same.plan
-        capture = self._capture(batch)
-        reasons = []
-        for template in [] if budgeted else reversed(self._templates):
-            if template.key[1] != key[1]:
-                continue
-            reused = reuse_plan(template, capture, self._reuse_terms(capture)[0])
-            if isinstance(reused, MemoryPlan):
-                self._matched = template
+        templates = [] if budgeted else [t for t in reversed(self._templates) if t.key[1] == key[1]]
+        # a kept template's capture stands for the untraced run (one fake run); a program it
+        # does not give a plan for is captured again in full before it is planned (issue 37)
+        for like in [templates[0].capture, None] if templates else [None]:
+            capture = self._capture(batch, like)
+            found = first_reuse(templates, capture, lambda c: self._reuse_terms(c)[0])
+            if not isinstance(found, list):
+                self._matched, reused = found
                 self.plans_reused += 1
-                self._log(key, f"reused the plan of {_shape_text(template.key)}", start)
+                self._log(key, f"reused the plan of {_shape_text(self._matched.key)}", start)
+                self.shape_log[-1]["fake_runs"] = capture.fake_runs
                 return capture, reused
-            reasons.append(reused)
+            if capture.fake_runs > 1:
+                break
+        reasons = found
         plan = self._solve(capture, key)
         self._matched = next((t for t in self._templates if t.capture is capture), None)
         why = "a memory budget" if budgeted else reasons[0] if reasons else "no plan of this mode yet"

@@ -6,7 +6,9 @@ that changes from one step to the next (a Python counter, ``random.random()``) w
 in the plan, silently stale. Capture runs the step once untraced before tracing it, and
 :func:`check_literals_repeat` refuses a plan whose traced literals (those read outside the
 optimizer, which the runtime never runs traced) the earlier run did not make with the same
-dtype, shape and bits.
+dtype, shape and bits. A step traced again at another batch shape without that untraced run
+(issue 37) must make the very literals the capture at the first shape made instead
+(:func:`same_literals`).
 """
 
 from __future__ import annotations
@@ -54,6 +56,26 @@ def check_literals_repeat(
                 "in a buffer"
             )
         available[key] -= 1
+
+
+def step_literals(gm: torch.fx.GraphModule, op_phase: dict[str, str]) -> list[torch.Tensor]:
+    """The literals of ``gm`` the check covers: those read outside the optimizer."""
+    return [
+        getattr(gm, node.target)
+        for node in gm.graph.nodes
+        if node.op == "get_attr"
+        and is_literal(node)
+        and not all(op_phase.get(user.name) == "optimizer" for user in node.users)
+    ]
+
+
+def same_literals(gm: torch.fx.GraphModule, op_phase: dict[str, str], like: Any) -> bool:
+    """Whether ``gm`` makes the same literals (dtype, shape and bits, as many of each) outside
+    the optimizer as ``like`` (a :class:`~memplan.torch.capture.trace.Capture` whose literals
+    passed :func:`check_literals_repeat`), so that check holds for ``gm`` too."""
+    like_phase = dict(zip(like.node_of_op, like.op_phase, strict=True))
+    ours = Counter(literal_key(t) for t in step_literals(gm, op_phase))
+    return ours == Counter(literal_key(t) for t in step_literals(like.gm, like_phase))
 
 
 def _short(t: torch.Tensor) -> str:

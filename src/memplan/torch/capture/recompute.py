@@ -51,6 +51,27 @@ def recompute_copies(gm: torch.fx.GraphModule, to_graph: Callable[[torch.fx.Grap
     return recomputed
 
 
+def recompute_named(gm: torch.fx.GraphModule, names: list[str]) -> bool:
+    """Give the copies ``names`` their backward twins, as :func:`recompute_copies` chose them at
+    another batch shape (issue 37), without searching again; False (``gm`` left as it was)
+    when one of them is not a copy read on both sides of the backward mark here, or an op
+    writes its inputs in between."""
+    nodes = list(gm.graph.nodes)
+    start = _backward_start(nodes)
+    if not names:
+        return True
+    if start is None:
+        return False
+    position = {node: i for i, node in enumerate(nodes)}
+    candidates = {node.name: node for node in _candidates(nodes, position, start)}
+    chosen = [candidates.get(name) for name in names]
+    if any(node is None or _inputs_written_before(node, position, start, nodes) for node in chosen):
+        return False
+    for node in chosen:
+        _add_twin(gm, node, position, start)
+    return True
+
+
 def _backward_start(nodes: list[torch.fx.Node]) -> int | None:
 
     for i, node in enumerate(nodes):

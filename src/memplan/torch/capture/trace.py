@@ -33,7 +33,7 @@ from memplan.graph.ir import Category, Graph, Op, OpId, Tensor, TensorId
 from memplan.torch.capture.casts import guarded_casts
 from memplan.torch.capture.fake import fake_clone_module, fake_mode_of, new_fake_mode, take_literals
 from memplan.torch.capture.hf_masks import MaskGuard, follow_mask_shortcuts
-from memplan.torch.capture.literals import check_literals_repeat
+from memplan.torch.capture.literals import check_literals_repeat, same_literals
 from memplan.torch.capture.marks import BACKWARD_MARK, CALL_KIND, CALL_MARK, RELEASE_KIND
 from memplan.torch.capture.regions import CallRegion, RegionRecorder
 from memplan.torch.capture.swap import SCALER_TENSORS, FakeSwap
@@ -70,6 +70,7 @@ class Capture:
     optimizer_scalar_stand_ins: int = 0  # tensor values the traced optimizer read (see OptimizerScalars)
     regions: list[CallRegion] = field(default_factory=list)  # calls of stateful objects (regions.py)
     op_region: list[int] = field(default_factory=list)  # op -> index of the call it belongs to, -1 if none
+    fake_runs: int = 2  # runs of the step on fakes: 1 when a capture at another shape stood for the untraced one
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     scaler: Any = None
 
@@ -129,6 +130,7 @@ def capture_step(
     schedulers: Sequence[Any] = (),
     name: str = "",
     recompute_copies: bool = False,
+    like: Capture | None = None,
 ) -> Capture:
     """Capture the whole step ``fn(batch)``: forward(s), backward(s), gradient clipping, the
     optimizers' and scaler's calls, as the user wrote it.
@@ -137,26 +139,75 @@ def capture_step(
     ``schedulers``; while it is traced they hold fakes (:mod:`.swap`), restored afterwards, so
     nothing is allocated or changed. Calls of the stateful objects are marked (:mod:`.regions`):
     the runtime makes them for real at their place in the planned order. The steady-state step
-    is captured: if an optimizer has no state yet, one fake run creates it first. The step must
-    leave no gradient on a parameter (end it with ``zero_grad()``).
+    is captured: the step is first run once untraced (on fakes), which creates an optimizer's
+    state when it has none and shows the literals the step makes (:mod:`.literals`). The step
+    must leave no gradient on a parameter (end it with ``zero_grad()``).
+
+    ``like``: a capture of this step at another batch shape (issue 37). When the optimizers'
+    state is already what that capture's step leaves (:func:`steady_like`), the untraced run is
+    skipped: the step is traced once, its literals are checked against ``like``'s (which passed
+    the check against their own untraced run) and ``like``'s recomputed copies are applied
+    instead of searched. Where either does not hold, the step is captured as without ``like``;
+    ``fake_runs`` says which (1 or 2). The caller still compares the programs.
     """
     refuse_unplanned_wrappers(model)
     mode = fake_mode_of(model) or new_fake_mode()
     _check_trainable(model)
     if scaler is not None and scaler.is_enabled() and scaler._scale is None:
         scaler._lazy_init_scale_growth_tracker(next(model.parameters()).device)  # as its first scale() would
+    objects = _StepObjects(fn, model, list(optimizers), scaler, list(schedulers), name, recompute_copies)
+    if like is not None and steady_like(like, model, optimizers):
+        try:
+            return _capture_traced(objects, batch, mode, like)
+        except _NotLike:
+            pass  # a literal differs from ``like``'s, or its recomputed copies do not apply: as without it
+    return _capture_traced(objects, batch, mode, None)
+
+
+@dataclass(frozen=True)
+class _StepObjects:
+    """What :func:`capture_step` captures: the step function and the objects it closes over."""
+
+    fn: Callable[[Any], Any]
+    model: torch.nn.Module
+    optimizers: list[torch.optim.Optimizer]
+    scaler: Any
+    schedulers: list[Any]
+    name: str
+    recompute_copies: bool
+
+
+class _NotLike(Exception):
+    """A capture at another shape (``like``) does not stand for the untraced run here."""
+
+
+def steady_like(like: Capture, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
+    """Whether a training step may be traced without its untraced first run because ``like``
+    (a capture of it at another shape) shows its steady state: the optimizers' state now has
+    exactly the keys, shapes and dtypes ``like``'s step leaves, so the step creates none."""
+    if like.mode != "train" or not like.regions or not like.optimizer_state_meta:
+        return False
+    now = {k: v for opt in optimizers for k, v in optimizer_state_meta(model, opt).items()}
+    return now == like.optimizer_state_meta
+
+
+def _capture_traced(objects: _StepObjects, batch: Any, mode: Any, like: Capture | None) -> Capture:
+    """:func:`capture_step`'s fake runs; with ``like``, the traced run only."""
+    model, optimizers, scaler = objects.model, objects.optimizers, objects.scaler
     flat, spec = pytree.tree_flatten(_fake_batch(batch, mode))
+    fn = objects.fn
 
     def run(flat_batch: list[torch.Tensor]) -> Any:
         return fn(pytree.tree_unflatten(flat_batch, spec))
 
-    recorder = RegionRecorder(model, optimizers, scaler, schedulers)
+    recorder = RegionRecorder(model, optimizers, scaler, objects.schedulers)
     with FakeSwap(mode, model, optimizers, scaler), guarded_casts(model), recorder.installed():
         take_literals(mode)
-        with mode:  # creates the optimizers' state lazily (plan the steady state), shows the literals
-            _guarded(run, flat)
-        _refuse_leftover_gradients(model)
-        earlier_literals = take_literals(mode)
+        if like is None:
+            with mode:  # creates the optimizers' state lazily (plan the steady state), shows the literals
+                _guarded(run, flat)
+            _refuse_leftover_gradients(model)
+        earlier_literals = take_literals(mode) if like is None else None
         recorder.reset()
         with mode:
             grads = _GradRecorder(model)
@@ -175,16 +226,16 @@ def capture_step(
     regions = recorder.regions
 
     def to_capture(g: torch.fx.GraphModule, seconds: float) -> Capture:
-        return _to_capture(g, categories, grads.storages, "train", seconds, name, regions)
+        return _to_capture(g, categories, grads.storages, "train", seconds, objects.name, regions)
 
-    recomputed: list[str] = []
-    if recompute_copies:
-        from memplan.torch.capture.recompute import recompute_copies as recompute
-
-        recomputed = recompute(gm, lambda g: to_capture(g, 0.0).graph)
-        gm.recompile()
+    recomputed = _recomputed(gm, to_capture, objects.recompute_copies, like)
     capture = to_capture(gm, time.perf_counter() - start)
-    check_literals_repeat(gm, dict(zip(capture.node_of_op, capture.op_phase, strict=True)), earlier_literals)
+    phases = dict(zip(capture.node_of_op, capture.op_phase, strict=True))
+    if like is None:
+        check_literals_repeat(gm, phases, earlier_literals)
+    elif not same_literals(gm, phases, like):
+        raise _NotLike("the step makes other literals than at the other shape")
+    capture.fake_runs = 1 if like is not None else 2
     capture.recomputed = recomputed
     capture.grad_storage_by_param = dict(grads.by_param)
     capture.optimizer_state_meta = state_meta
@@ -197,6 +248,27 @@ def capture_step(
     if capture.regions:
         capture.graph = hold_update_inputs(capture)
     return capture
+
+
+def _recomputed(
+    gm: torch.fx.GraphModule, to_capture: Callable[..., Capture], enabled: bool, like: Capture | None
+) -> list[str]:
+    """The copies recomputed in ``gm`` (:mod:`.recompute`): searched, or with ``like`` the very
+    copies ``like`` recomputes (a copy gives the same bits, so any of them is exact; the
+    search only decides which lower the peak)."""
+    if not enabled:
+        return []
+    from memplan.torch.capture.recompute import recompute_copies as recompute
+    from memplan.torch.capture.recompute import recompute_named
+
+    if like is not None:
+        if not recompute_named(gm, like.recomputed):
+            raise _NotLike("the other shape's recomputed copies do not apply here")
+        recomputed = list(like.recomputed)
+    else:
+        recomputed = recompute(gm, lambda g: to_capture(g, 0.0).graph)
+    gm.recompile()
+    return recomputed
 
 
 def hold_update_inputs(capture: Capture) -> Graph:

@@ -272,3 +272,17 @@ def reused_offsets(
     )
     validate_placement(problem, Placement(tuple(offsets[k] for k in ks), arena_bytes, "reused", "feasible", 0, 0, 0))
     return offsets
+
+
+def first_reuse(
+    templates: Sequence[Template], capture: Capture, allocator_tensors: Callable[[Capture], Collection[int]]
+) -> tuple[Template, MemoryPlan] | list[str]:
+    """The first of ``templates`` whose plan holds for ``capture`` (:func:`reuse_plan`) with
+    that plan; else the reasons why none does, one per template."""
+    reasons = []
+    for template in templates:
+        reused = reuse_plan(template, capture, allocator_tensors(capture))
+        if isinstance(reused, MemoryPlan):
+            return template, reused
+        reasons.append(reused)
+    return reasons
