@@ -22,8 +22,13 @@ decision too, by alternation (issue 36):
    DAG); and the portfolio solves again over the new first-run order;
 
 until neither lowers the compute at the budget (or, at equal compute, the peak: more room for
-the placement) or the time is spent. Every plan is a step sequence checked by
-:func:`memplan.remat.lower.validate_sequence` and measured by
+the placement) or the time is spent. The ops the runtime runs as one call (a captured step's
+optimizer update groups, :data:`Groups`) stay contiguous in every plan the search makes, as the
+budget path's reorder keeps them (:func:`contiguous_order`). In the budget path
+(``memory_budget=``) the search runs after the sequential plan in what is left of the time limit,
+and its plan is taken only when it is better once placed (:func:`choose_joint`).
+
+Every plan is a step sequence checked by :func:`memplan.remat.lower.validate_sequence` and measured by
 :func:`memplan.remat.lower.sequence_peak_bytes`; the search keeps a plan only when it is
 better than the one before, so it is never worse than the sequential plan it starts from.
 
@@ -239,15 +244,80 @@ def _assemble(graph: Graph, runs: list[int], ops: list[tuple[Op, list[int], list
     return Expanded(expanded, tuple(runs), graph)
 
 
-def steps_in_order(expanded: Expanded, order: Sequence[int]) -> list[Step]:
+def steps_in_order(expanded: Expanded, order: Sequence[int], groups: Groups = ()) -> list[Step]:
     """The step sequence that runs ``expanded``'s runs in ``order`` (a topological order of
     ``expanded.graph``), less the runs nobody reads (the lowering's pass: a first run read by
     nobody before a re-run goes, so the op runs first later), frees at last reads; checked by
-    :func:`validate_sequence`."""
+    :func:`validate_sequence` and, with ``groups``, :func:`check_groups_contiguous`."""
     runs = _refresh_and_prune(expanded.source, [expanded.op_of[x] for x in order])
     steps = insert_frees(expanded.source, runs)
     validate_sequence(expanded.source, steps)
+    check_groups_contiguous(expanded.source, steps, groups)
     return steps
+
+
+# --------------------------------------------------------------------------------------------
+# Update groups: ops the runtime runs as one call
+# --------------------------------------------------------------------------------------------
+
+Groups = Sequence[Sequence[int]]
+"""Groups of op ids the runtime runs as one call at the place of the last of them (a captured
+step's optimizer update groups, :func:`memplan.torch.run.interpreter.optimizer_update_groups`):
+the runs of a group's ops must be contiguous in a plan, no other run between them, or the
+lifetimes the plan counts (each op's outputs made at its own run) are not the runtime's (the
+call makes them all at its place)."""
+
+
+def groups_breach(graph: Graph, steps: Sequence[Step], groups: Groups) -> str | None:
+    """None when, in ``steps``, no run of an op outside a group lies between the first and the
+    last run of the group's ops; else one line naming the first group that is broken."""
+    group_of = {v: g for g, members in enumerate(groups) for v in members}
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    count: dict[int, int] = {}
+    runs = [i for kind, i in steps if kind == "run"]
+    for pos, v in enumerate(runs):
+        g = group_of.get(v)
+        if g is not None:
+            first.setdefault(g, pos)
+            last[g] = pos
+            count[g] = count.get(g, 0) + 1
+    for g, start in first.items():
+        if last[g] - start + 1 != count[g]:
+            inside = next(runs[p] for p in range(start, last[g]) if group_of.get(runs[p]) != g)
+            name = graph.ops[groups[g][0]].name
+            return f"op {graph.ops[inside].name!r} runs inside the group of {name!r}, which runs as one call"
+    return None
+
+
+def check_groups_contiguous(graph: Graph, steps: Sequence[Step], groups: Groups) -> None:
+    """Raise :class:`InvalidPlan` when ``steps`` breaks a group (:func:`groups_breach`)."""
+    breach = groups_breach(graph, steps, groups) if groups else None
+    if breach is not None:
+        raise InvalidPlan(breach)
+
+
+def contiguous_order(expanded: Expanded, order: Sequence[int], groups: Groups) -> list[int] | None:
+    """``order`` (of ``expanded``'s runs) with each group's runs moved to the place of its last
+    run, as the budget path's reorder makes its order (:func:`memplan.pipeline.make_groups_contiguous`,
+    after OLLA's lifetime optimisation); None when that is no topological order of the expanded DAG
+    (a run outside a group reads what a member makes before the group's end)."""
+    from memplan.errors import InvalidOrder
+    from memplan.graph.check import validate_order
+    from memplan.pipeline import make_groups_contiguous
+
+    if not groups:
+        return list(order)
+    runs_of: dict[int, list[int]] = {}
+    for x, v in enumerate(expanded.op_of):
+        runs_of.setdefault(v, []).append(x)
+    as_runs = [[x for v in members for x in runs_of.get(v, ())] for members in groups]
+    moved = [int(x) for x in make_groups_contiguous(order, [g for g in as_runs if g])]
+    try:
+        validate_order(expanded.graph, moved)
+    except InvalidOrder:
+        return None
+    return moved
 
 
 # --------------------------------------------------------------------------------------------
@@ -270,10 +340,14 @@ def _schedule(problem: RematProblem, steps: list[Step], strategy: str, status: s
     )
 
 
-def reorder_runs(problem: RematProblem, steps: Sequence[Step], seconds: float, workers: int = 2) -> list[Step] | None:
+def reorder_runs(
+    problem: RematProblem, steps: Sequence[Step], seconds: float, workers: int = 2, groups: Groups = ()
+) -> list[Step] | None:
     """The same runs in the order of least peak the schedule search finds for their expanded
-    DAG in ``seconds`` (None when it is no lower than the sequence's own). The new order's peak
-    is checked against the expanded graph's: both are the one estimator's."""
+    DAG in ``seconds`` (None when it is no lower than the sequence's own). ``groups`` (ops the
+    runtime runs as one call, :func:`contiguous_order`) are made contiguous in that order as the
+    budget path's reorder makes them (:func:`memplan.pipeline.make_groups_contiguous`); the new
+    order's peak is checked against the expanded graph's: both are the one estimator's."""
     from memplan.schedule import optimize_order
 
     expanded = expand(problem.graph, steps, problem.workspace)
@@ -283,12 +357,16 @@ def reorder_runs(problem: RematProblem, steps: Sequence[Step], seconds: float, w
     if before != sequence_peak_bytes(problem.graph, at_last_reads, problem.workspace):
         raise InvalidPlan("the expanded DAG's peak differs from its step sequence's")
     result = optimize_order(expanded.graph, time_limit_seconds=max(0.1, seconds), workers=workers)
-    if result.peak_bytes >= before:
+    order = contiguous_order(expanded, result.order, groups)
+    if order is None:
         return None
-    reordered = steps_in_order(expanded, result.order)
+    peak = peak_bytes(expanded.graph, order)
+    if peak >= before:
+        return None
+    reordered = steps_in_order(expanded, order, groups)
     after = sequence_peak_bytes(problem.graph, reordered, problem.workspace)
-    if after != result.peak_bytes:
-        raise InvalidPlan(f"reordered plan peaks at {after} B, its expanded DAG at {result.peak_bytes} B")
+    if after != peak:
+        raise InvalidPlan(f"reordered plan peaks at {after} B, its expanded DAG at {peak} B")
     return reordered
 
 
@@ -315,10 +393,12 @@ def _without(problem: RematProblem, runs: Sequence[int], pos: int) -> list[Step]
     return steps
 
 
-def drop_reruns(problem: RematProblem, steps: Sequence[Step], deadline: float = float("inf")) -> list[Step]:
-    """Take re-runs out of ``steps`` while the plan stays valid and within the budget, in the
-    order as it is: the costliest first, each move measured. What the slack of a better order
-    buys without a solver."""
+def drop_reruns(
+    problem: RematProblem, steps: Sequence[Step], deadline: float = float("inf"), groups: Groups = ()
+) -> list[Step]:
+    """Take re-runs out of ``steps`` while the plan stays valid, within the budget and keeps
+    ``groups`` contiguous, in the order as it is: the costliest first, each move measured. What
+    the slack of a better order buys without a solver."""
     current = list(steps)
     tried: set[tuple[int, int]] = set()
     while time.perf_counter() < deadline:
@@ -327,7 +407,9 @@ def drop_reruns(problem: RematProblem, steps: Sequence[Step], deadline: float = 
         if move is None:
             break
         trial = _without(problem, runs, move)
-        if trial is not None and sequence_peak_bytes(problem.graph, trial, problem.workspace) <= problem.budget_bytes:
+        if trial is None or (groups and groups_breach(problem.graph, trial, groups)):
+            continue
+        if sequence_peak_bytes(problem.graph, trial, problem.workspace) <= problem.budget_bytes:
             current = trial
     return current
 
@@ -347,12 +429,17 @@ PROBE_SECONDS = 1.0
 
 
 def refit_reruns(
-    problem: RematProblem, steps: Sequence[Step], deadline: float, probe_seconds: float = PROBE_SECONDS
+    problem: RematProblem,
+    steps: Sequence[Step],
+    deadline: float,
+    probe_seconds: float = PROBE_SECONDS,
+    groups: Groups = (),
 ) -> tuple[list[Step], int]:
     """Reorder given the recomputations, one re-run fewer at a time: take the costliest re-run
     out and search an order of the runs left whose peak fits the budget (the exact search over
-    ideals under a cap, :func:`memplan.schedule.ideals.fit_under`, on their expanded DAG); keep
-    the move when one is found. The plan and the re-runs taken out."""
+    ideals under a cap, :func:`memplan.schedule.ideals.fit_under`, on their expanded DAG; then
+    ``groups`` made contiguous, :func:`contiguous_order`); keep the move when one is found. The
+    plan and the re-runs taken out."""
     from memplan.schedule.ideals import fit_under
 
     current = list(steps)
@@ -364,15 +451,18 @@ def refit_reruns(
         if move is None:
             break
         trial = _without(problem, runs, move)
-        if trial is None:
+        if trial is None or (groups and groups_breach(problem.graph, trial, groups)):
             continue
         if sequence_peak_bytes(problem.graph, trial, problem.workspace) > problem.budget_bytes:
             expanded = expand(problem.graph, trial, problem.workspace)
             found = fit_under(expanded.graph, problem.budget_bytes, min(deadline, time.perf_counter() + probe_seconds))
-            if found.order is None:
+            order = None if found.order is None else contiguous_order(expanded, found.order, groups)
+            if order is None:
                 continue
-            trial = steps_in_order(expanded, found.order)
+            trial = steps_in_order(expanded, order, groups)
             if sequence_peak_bytes(problem.graph, trial, problem.workspace) > problem.budget_bytes:
+                if order != list(found.order):
+                    continue  # the groups made contiguous peak over the budget: no move
                 raise InvalidPlan("an order the ideal search fit under the budget peaks over it")
         current = trial
         dropped += 1
@@ -418,12 +508,14 @@ def solve_joint(
     workers: int = 2,
     sequential: RematSchedule | None = None,
     progress: Progress | None = None,
+    groups: Groups = (),
 ) -> JointSearch:
     """Alternate remat given an order and reorder given the recomputations (module docstring),
     from ``sequential`` (the plan of :func:`memplan.remat.portfolio.solve_remat_in_order` over
     ``order``; solved here with :data:`SEQUENTIAL_SHARE` of the time when not given), until a
     round lowers the compute (or, at equal compute, the peak) no more or ``time_limit_seconds``
-    are spent. The best plan's
+    are spent. ``groups``: ops the runtime runs as one call (:data:`Groups`); every plan the
+    search makes keeps each contiguous (a move that breaks one is not taken). The best plan's
     ``details["joint"]`` says where it came from; it is the sequential plan when nothing beat it."""
     from memplan.remat.portfolio import solve_remat_in_order
 
@@ -448,7 +540,7 @@ def solve_joint(
         if left <= 1.0:
             break
         try:
-            found = _round(problem, current, left, workers, solve)
+            found = _round(problem, current, left, workers, solve, groups)
         except InvalidPlan as err:  # a move that fails its check is dropped, and said so
             search.rounds.append({"round": round_ + 1, "dropped": str(err)})
             break
@@ -482,6 +574,7 @@ def _round(
     left: float,
     workers: int,
     solve: Callable[[Sequence[int] | None, float], RematSchedule],
+    groups: Groups = (),
 ) -> dict[str, object]:
     """One round from ``current``: reorder given its recomputations (the order of least peak,
     then the re-runs that order fits without; and re-runs taken out one at a time where an order
@@ -492,13 +585,13 @@ def _round(
     out: dict[str, object] = {"from_overhead": round(current.overhead, 6)}
     candidates = []
     seconds = min(REORDER_MAX_SECONDS, REORDER_SHARE * left)
-    reordered = reorder_runs(problem, current.steps, seconds, workers)
+    reordered = reorder_runs(problem, current.steps, seconds, workers, groups)
     start = current.steps
     if reordered is not None:
         out["reordered_peak_bytes"] = sequence_peak_bytes(problem.graph, reordered, problem.workspace)
-        start = drop_reruns(problem, reordered, end)
+        start = drop_reruns(problem, reordered, end, groups)
         candidates.append(_schedule(problem, start, "joint", "feasible", how="reorder"))
-    refit, dropped = refit_reruns(problem, start, began + REFIT_SHARE * left)
+    refit, dropped = refit_reruns(problem, start, began + REFIT_SHARE * left, groups=groups)
     out["refit_dropped"] = dropped
     if dropped:
         candidates.append(_schedule(problem, refit, "joint", "feasible", how="refit"))
@@ -507,7 +600,10 @@ def _round(
     if changed and rest > 2 * SOLVE_MARGIN_SECONDS:
         lead = min(changed, key=lambda c: c.compute_cost)
         solved = solve(_first_runs(lead.steps), rest - SOLVE_MARGIN_SECONDS)
-        if solved.feasible:
+        breach = groups_breach(problem.graph, solved.steps, groups) if solved.feasible and groups else None
+        if breach is not None:
+            out["solve_dropped"] = breach
+        elif solved.feasible:
             validate_sequence(problem.graph, solved.steps)
             solved.details["how"] = "solve"
             candidates.append(solved)
@@ -528,6 +624,146 @@ def _first_runs(steps: Sequence[Step]) -> list[int]:
         if kind == "run" and i not in seen:
             seen[i] = None
     return list(seen)
+
+
+# --------------------------------------------------------------------------------------------
+# The budget path's choice: the sequential plan or the joint one
+# --------------------------------------------------------------------------------------------
+
+JOINT_MIN_SECONDS = 4.0
+"""The budget path runs the joint search only with at least this long left of its time limit."""
+SEARCH_SHARE = 0.7
+"""The joint search is given this share of the time left after the placements: its moves (the
+schedule search's heuristics, expanding and lowering a plan) can outlast their own limits on
+large graphs on a busy machine, and the choice must end within the user's time limit."""
+PLACE_SECONDS = 2.0
+"""Each placed peak the choice compares gets at most this long ..."""
+PLACE_SHARE = 0.15
+"""... and at most this share of the time left."""
+CHOICE_MARGIN_SECONDS = 0.5
+"""Kept back from the joint search for the checks after it, so that the choice ends in time."""
+
+
+@dataclass
+class JointChoice:
+    """What :func:`choose_joint` took (``plan``) and why (``report``: ``remat_plan`` is "joint" or
+    "sequential", with both plans' compute overheads and placed peaks where measured)."""
+
+    plan: RematSchedule
+    report: dict[str, object]
+
+
+def placed_peak_bytes(
+    graph: Graph, steps: Sequence[Step], workspace: Sequence[int] = (), seconds: float = PLACE_SECONDS
+) -> int:
+    """The persistent bytes plus the arena of ``steps``' expanded DAG placed in its own order
+    (OLLA 3.3, :func:`memplan.pipeline.place_order`, 64-byte alignment): the plan's peak once
+    its tensors have static offsets, fragmentation included (OLLA eq. 6 over eq. 1)."""
+    from memplan.pipeline import place_order
+
+    expanded = expand(graph, steps, workspace)
+    order = list(range(len(expanded.op_of)))
+    _, placement = place_order(expanded.graph, order, max(0.1, seconds))  # type: ignore[arg-type]
+    return graph.persistent_bytes + int(placement.arena_bytes)
+
+
+def _recomputes(steps: Sequence[Step]) -> int:
+    runs = [i for kind, i in steps if kind == "run"]
+    return len(runs) - len(set(runs))
+
+
+def joint_skipped(sequential: RematSchedule, seconds: float) -> JointChoice | None:
+    """The choice of :func:`choose_joint` when it does not run the search (``sequential``
+    recomputes nothing, or less than :data:`JOINT_MIN_SECONDS` are left), else None."""
+    why = None
+    if not sequential.feasible:
+        why = "no sequential plan to start from"
+    elif not _recomputes(sequential.steps):
+        why = "the sequential plan recomputes nothing"
+    elif seconds < JOINT_MIN_SECONDS:
+        why = f"{max(0.0, seconds):.1f} s left of time_limit_seconds, below {JOINT_MIN_SECONDS:g} s"
+    if why is None:
+        return None
+    return JointChoice(sequential, {**_report(sequential), "joint": f"not run: {why}"})
+
+
+def _report(sequential: RematSchedule) -> dict[str, object]:
+    """The choice's report before the search: every key, so that a report updated with a later
+    choice (a re-plan) keeps nothing of an earlier one."""
+    return {
+        "remat_plan": "sequential",
+        "joint": None,
+        "sequential_overhead": round(sequential.overhead, 6) if sequential.feasible else None,
+        "sequential_seconds": round(sequential.seconds, 3),
+        "joint_overhead": None,
+        "joint_rounds": None,
+        "sequential_placed_bytes": None,
+        "joint_placed_bytes": None,
+        "joint_seconds": None,
+    }
+
+
+def choose_joint(
+    graph: Graph,
+    sequential: RematSchedule,
+    seconds: float,
+    *,
+    limit_bytes: int,
+    cost: tuple[float, ...] = (),
+    workspace: tuple[int, ...] = (),
+    workers: int = 2,
+    groups: Groups = (),
+) -> JointChoice:
+    """The budget path's plan after its sequential solve (issue 36): :func:`solve_joint` from
+    ``sequential`` in ``seconds`` (what is left of the user's time limit; the choice never takes
+    longer), then the joint plan only when it computes less at a placed peak
+    (:func:`placed_peak_bytes`) within ``limit_bytes`` (the user's budget), or as much at a lower
+    placed peak; else ``sequential``. Not run when ``sequential`` recomputes nothing or less than
+    :data:`JOINT_MIN_SECONDS` are left. ``groups`` stay contiguous (:data:`Groups`)."""
+    start = time.perf_counter()
+    skipped = joint_skipped(sequential, seconds)
+    if skipped is not None:
+        return skipped
+    report = _report(sequential)
+    place = min(PLACE_SECONDS, PLACE_SHARE * seconds)
+    search_seconds = SEARCH_SHARE * (seconds - 2 * place - CHOICE_MARGIN_SECONDS)
+    search = solve_joint(
+        graph,
+        None,
+        sequential.budget_bytes,
+        search_seconds,
+        cost=cost,
+        workspace=workspace,
+        workers=workers,
+        sequential=sequential,
+        groups=groups,
+    )
+    joint = search.best
+    report.update(joint_overhead=round(joint.overhead, 6), joint_rounds=len(search.rounds))
+    if joint is sequential:
+        report["joint"] = "no round beat the sequential plan"
+        return JointChoice(sequential, _timed(report, start))
+    validate_sequence(graph, joint.steps)
+    check_groups_contiguous(graph, joint.steps, groups)
+    placed_joint = placed_peak_bytes(graph, joint.steps, workspace, place)
+    placed_sequential = placed_peak_bytes(graph, sequential.steps, workspace, place)
+    report.update(sequential_placed_bytes=placed_sequential, joint_placed_bytes=placed_joint)
+    cheaper = joint.compute_cost < sequential.compute_cost * (1 - 1e-12)
+    same = joint.compute_cost <= sequential.compute_cost and placed_joint < placed_sequential
+    if placed_joint > limit_bytes:
+        report["joint"] = "its placed peak is over the budget"
+    elif cheaper or same:
+        report.update(remat_plan="joint", joint="less compute" if cheaper else "as much compute, lower placed peak")
+        report = _timed(report, start)
+        joint.seconds = sequential.seconds + float(report["joint_seconds"])  # type: ignore[arg-type]
+        return JointChoice(joint, report)
+    else:
+        report["joint"] = "no less compute and no lower placed peak"
+    return JointChoice(sequential, _timed(report, start))
+
+
+def _timed(report: dict[str, object], start: float) -> dict[str, object]:
+    return {**report, "joint_seconds": round(time.perf_counter() - start, 3)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -740,12 +976,20 @@ def _bits(bits: int, n: int) -> np.ndarray:
 __all__ = [
     "ORDER_FREE_SCOPE",
     "Expanded",
+    "Groups",
+    "JointChoice",
     "JointSearch",
     "OrderFreeBound",
+    "check_groups_contiguous",
+    "choose_joint",
+    "contiguous_order",
     "cut_cover_bound",
     "drop_reruns",
     "expand",
+    "groups_breach",
+    "joint_skipped",
     "order_free_bound",
+    "placed_peak_bytes",
     "refit_reruns",
     "reorder_runs",
     "solve_joint",

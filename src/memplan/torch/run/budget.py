@@ -32,6 +32,16 @@ checkpoint-all is then the reordered plan, and the greedy at the peak
 order the search started from checkpoint-all's 1.99 GiB instead of 1.81 GiB.
 ``memory_budget="fit"`` is the limit of the process (:mod:`memplan.torch.run.fit`).
 
+Order and recomputation together (issue 36): when the sequential plan (remat over the reordered
+order) recomputes something and time is left of ``time_limit_seconds`` (never more), the joint
+search (:func:`memplan.remat.joint.choose_joint`: reorder the plan's runs given its
+recomputations, take out the re-runs the new order fits without, solve again) runs from it, each
+optimizer update group kept contiguous as the runtime runs it (one call at its last op); its plan
+is taken only when it computes less at a placed peak within the budget, or as much at a lower
+placed peak. The report says which (``remat_plan``) and both costs (``sequential_overhead``,
+``joint_overhead``, the placed peaks compared); the remat runner runs any such order (its first
+runs are a topological order, each group's call at its last op).
+
 The budget holds from the first call (issue 33), not only once the step replays: the kernels'
 workspace is measured on the user's parameters (not a copy, never written) running a plan
 within the budget, never in eager's order; a budget no plan reaches is refused before that;
@@ -46,6 +56,7 @@ from __future__ import annotations
 
 import copy
 import re
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -166,6 +177,7 @@ class _SolveContext:
     time_limit_seconds: float
     max_overhead: float | None
     order: tuple[int, ...] | None = None  # the stage order of the remat solves (the reordered plan's)
+    groups: tuple[tuple[int, ...], ...] = ()  # the update groups: ops the runtime runs as one call
 
 
 def plan_budget(
@@ -298,7 +310,10 @@ def _plan_budget(
     budget_bytes = budget_for(reference)
     scratch = max(workspace, default=0)
     order = None if plain_order is None else tuple(plain_order)
-    context = _SolveContext(graph, tuple(workspace), reference, reorder, time_limit_seconds, max_overhead, order)
+    groups = _update_groups(capture)
+    context = _SolveContext(
+        graph, tuple(workspace), reference, reorder, time_limit_seconds, max_overhead, order, groups
+    )
     report: dict[str, Any] = {
         "memory_budget": memory_budget,
         "budget_bytes": budget_bytes,
@@ -329,6 +344,27 @@ def _solve_remat_in_order(*args: Any, **kwargs: Any) -> Any:
     from memplan.remat.portfolio import solve_remat_in_order
 
     return solve_remat_in_order(*args, **kwargs)
+
+
+def _choose_joint(*args: Any, **kwargs: Any) -> Any:
+    """:func:`memplan.remat.joint.choose_joint`, imported in the solver's child."""
+    from memplan.remat.joint import choose_joint
+
+    return choose_joint(*args, **kwargs)
+
+
+def _update_groups(capture: Capture) -> tuple[tuple[int, ...], ...]:
+    """The step's update groups (:func:`memplan.torch.run.interpreter.optimizer_update_groups`):
+    the joint search keeps each contiguous, as the runtime runs it as one call."""
+    from memplan.errors import UnsupportedOp
+    from memplan.torch.run.interpreter import optimizer_update_groups
+
+    if capture.mode != "train":
+        return ()
+    try:
+        return tuple(tuple(int(v) for v in g) for g in optimizer_update_groups(capture))
+    except UnsupportedOp:  # the runner refuses this step in one line with this very reason
+        return ()
 
 
 def _solve_remat_within_overhead(*args: Any, **kwargs: Any) -> Any:
@@ -457,6 +493,7 @@ def _solve_within(
     ``schedule``: a plan already solved for this budget (then no solve). ``runnable_bytes``: a
     placed peak known to run, for a refusal's advice."""
     graph, budget_bytes = context.graph, report["budget_bytes"]
+    began = time.perf_counter()
     if schedule is None:
         schedule = in_child(
             _solve_remat_in_order,
@@ -467,6 +504,9 @@ def _solve_within(
             workspace=context.workspace,
             reorder=context.reorder,
         )
+    spent = max(time.perf_counter() - began, schedule.seconds)
+    if schedule.feasible:
+        schedule, report = _joint_or_sequential(context, report, schedule, context.time_limit_seconds - spent)
     if not schedule.feasible:
         raise InfeasibleBudget(
             _infeasible_message(
@@ -489,6 +529,28 @@ def _solve_within(
         )
     fits = plain_peak is not None and plain_peak <= solve_bytes
     return _decided(schedule, report, plain_peak if fits else None, solve_bytes, context)
+
+
+def _joint_or_sequential(
+    context: _SolveContext, report: dict[str, Any], schedule: Any, seconds: float
+) -> tuple[Any, dict[str, Any]]:
+    """The sequential plan ``schedule`` (remat over the reordered order) or the joint one
+    (order and recomputation together, :func:`memplan.remat.joint.choose_joint`, in the
+    ``seconds`` left of ``time_limit_seconds``, in the solver's child), and the report with
+    which was taken and both costs (``remat_plan``, ``sequential_overhead``, ``joint_overhead``,
+    the placed peaks compared)."""
+    from memplan.remat.joint import joint_skipped
+
+    choice = joint_skipped(schedule, seconds) or in_child(
+        _choose_joint,
+        context.graph,
+        schedule,
+        seconds,
+        limit_bytes=report["budget_bytes"],
+        workspace=context.workspace,
+        groups=context.groups,
+    )
+    return choice.plan, {**report, **choice.report}
 
 
 def _decided(
