@@ -59,12 +59,18 @@ class ModelSpec:
 
 MODELS = {
     "gpt2-2l": ModelSpec("gpt2-2l", 16, "GPT-2 LM, 2 layers, 128 tokens (HF config)"),
-    "gpt2": ModelSpec("gpt2", 4, "GPT-2 small LM, 12 layers, 128 tokens (HF config, 124M params)"),
+    "gpt2": ModelSpec("gpt2", 8, "GPT-2 small LM, 12 layers, 128 tokens (HF config, 124M params)"),
     "llama": ModelSpec(
         "llama",
         2,
         "Llama-style decoder (HF LlamaForCausalLM): 4 layers, hidden 1024, 16 heads, "
         "MLP 2816, vocab 32000, 512 tokens (0.12B params)",
+    ),
+    "llama-0.3b": ModelSpec(
+        "llama-0.3b",
+        1,
+        "Llama-style decoder (HF LlamaForCausalLM): 8 layers, hidden 1536, 16 heads, "
+        "MLP 4096, vocab 32000, 512 tokens (0.32B params)",
     ),
     "resnet50": ModelSpec("resnet50", 16, "ResNet-50 (HF config), 224x224"),
     "unet": ModelSpec("unet", 16, "U-Net, 4 levels, 128x128 (repo model)"),
@@ -76,16 +82,23 @@ QUICK_LIMIT = 0.9
 # ================================================================ the child: one try
 
 
-def _llama(batch: int) -> Any:
+LLAMAS = {  # name: (layers, hidden, MLP); 16 heads, vocab 32000, 512 tokens
+    "llama": (4, 1024, 2816),
+    "llama-0.3b": (8, 1536, 4096),
+}
+
+
+def _llama(name: str, batch: int) -> Any:
     import transformers
 
     import torch
     from memplan.torch.zoo import Logits, Workload, _skip_init_if_fake, _token_loss
 
+    layers, hidden, mlp = LLAMAS[name]
     cfg = transformers.LlamaConfig(
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=4,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_hidden_layers=layers,
         num_attention_heads=16,
         num_key_value_heads=16,
         vocab_size=32000,
@@ -98,13 +111,13 @@ def _llama(batch: int) -> Any:
 
 
 def build(model: str, batch: int) -> Any:
-    """The zoo's workload (seed 0), or the bench's Llama."""
+    """The zoo's workload (seed 0), or one of the bench's Llamas."""
     import torch
     from memplan.torch.zoo import build_workload
 
-    if model == "llama":
+    if model in LLAMAS:
         torch.manual_seed(0)
-        return _llama(batch)
+        return _llama(model, batch)
     return build_workload(model, batch)
 
 
@@ -270,7 +283,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
     import torch
     from memplan.errors import MemplanError
-    from memplan.torch.rss import peak_rss_bytes, reset_peak_rss, rss_bytes
+    from memplan.torch.rss import rss_bytes
     from memplan.torch.zoo import make_optimizer
 
     progress = Path(spec["out"] + ".progress")
@@ -280,30 +293,42 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     _note(progress, "building the model")
     w = build(spec["model"], spec["batch"])
     opt = make_optimizer("adamw", w.model.parameters())
-    out: dict[str, Any] = {"baseline_rss_bytes": baseline}
+    phases = {"build": _phase_peak()}  # VmHWM of each phase (the whole life's is their maximum)
+    out: dict[str, Any] = {"baseline_rss_bytes": baseline, "phase_peak_rss_bytes": phases}
     try:
         _note(progress, "setting up (memplan: capture and plan; checkpoint: wrap)")
         step, info = make_step(spec, w, opt, baseline)
     except MemplanError as err:
         return {**out, "refused": str(err).splitlines()[0]}
+    phases["setup"] = _phase_peak()
     out.update(info)
     times, losses = [], []
     for i in range(spec["steps"]):
         _note(progress, f"step {i + 1}")
-        if i == spec["steps"] - 1:
-            reset_peak_rss()
         started = time.perf_counter()
         loss = step()
         times.append(time.perf_counter() - started)
         losses.append(float(loss))
-    out.update(last_step_peak_rss_bytes=peak_rss_bytes(), step_seconds=times, losses=losses, flops=flops)
+        phases[f"step {i + 1}"] = _phase_peak()
+    last = phases[f"step {spec['steps']}"]
+    out.update(last_step_peak_rss_bytes=last, step_seconds=times, losses=losses, flops=flops)
     _note(progress, "comparing or saving the parameters")
     params = list(w.model.parameters())
     if spec.get("save"):
         torch.save([p.detach().clone() for p in params], spec["save"])
     if spec.get("reference"):
         out["max_abs_diff_params"] = max_abs_diff(params, spec["reference"])
+    phases["compare"] = _phase_peak()  # the reference is mapped from its file: its pages count as resident
     return out
+
+
+def _phase_peak() -> int:
+    """VmHWM since the last call (the process's start the first time), then reset."""
+    from memplan.torch.rss import peak_rss_bytes, reset_peak_rss
+
+    peak = peak_rss_bytes()
+    reset_peak_rss()
+    return peak
 
 
 def _note(progress: Path, what: str) -> None:
@@ -317,7 +342,9 @@ def child_main(raw: str) -> None:
 
     spec = json.loads(raw)
     result = child(spec)
-    result["vmhwm_bytes"] = peak_rss_bytes()  # whole life: building, first steps, comparing included
+    phases = result.get("phase_peak_rss_bytes") or {}
+    # whole life: building, first steps, comparing included
+    result["vmhwm_bytes"] = max([peak_rss_bytes(), *phases.values()])
     Path(spec["out"]).write_text(json.dumps(result))
 
 
@@ -363,6 +390,8 @@ def describe(spec: dict[str, Any]) -> str:
         return f"{spec['micro']} micro-batches of {spec['batch'] // spec['micro']}"
     if spec["contender"] == "compile":
         return f"activation_memory_budget={spec['amb']}"
+    if spec["contender"] == "checkpoint":
+        return "checkpoint around every block"
     if spec["contender"] == "memplan-fit":
         return 'memory_budget="fit"'
     if spec["contender"] == "memplan":
@@ -459,6 +488,7 @@ class Bench:
         out = self.args.out
         out.parent.mkdir(parents=True, exist_ok=True)
         meta = {"command": self.command, "mechanism": self.mechanism, "where": self.where, "steps": self.args.steps}
+        meta["json"] = _shown(out.with_suffix(".json"))
         out.with_suffix(".json").write_text(json.dumps({**meta, "models": self.results}, indent=1, default=str))
         out.with_suffix(".md").write_text(markdown(meta, self.results))
 
@@ -530,6 +560,9 @@ def _row(row: dict[str, Any], eager_step: float | None) -> str:
             f"budget {_mib(row.get('budget_bytes'))} MiB, planned {_mib(row['planned_peak_bytes'])} MiB "
             f"({row.get('method')}); {note}"
         )
+    phases = row.get("phase_peak_rss_bytes") or {}
+    if row["contender"].startswith("memplan") and row["outcome"] == "fits" and phases:
+        note += " VmHWM by phase MiB: " + ", ".join(f"{name} {_mib(peak)}" for name, peak in phases.items())
     return (
         f"| {_mib(row['limit_bytes'])} | {row['contender']} | {row.get('setting') or ''} | **{row['outcome']}** | "
         f"{_mib(row.get('cgroup_peak_bytes'))} | {_mib(row.get('vmhwm_bytes'))} | "
@@ -608,8 +641,15 @@ def render(out: Path, parts: list[Path]) -> None:
     runs = [json.loads(p.read_text()) for p in parts] or [json.loads(out.read_text())]
     models = [{"command": run["command"], "steps": run.get("steps"), **m} for run in runs for m in run["models"]]
     merged = {**runs[0], "command": "; ".join(dict.fromkeys(run["command"] for run in runs)), "models": models}
+    merged["json"] = _shown(out)
     out.write_text(json.dumps(merged, indent=1, default=str))
     out.with_suffix(".md").write_text(markdown(merged, models))
+
+
+def _shown(path: Path) -> str:
+    """``path`` as a command line in the repository's root would name it."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def markdown(meta: dict[str, Any], results: list[dict[str, Any]]) -> str:
@@ -621,10 +661,12 @@ def markdown(meta: dict[str, Any], results: list[dict[str, Any]]) -> str:
         else f"NOT enforced by the kernel ({meta['where']}): the resident set of each try's process tree is watched "
         "every 20 ms and the tree killed past the limit"
     )
+    models = ", ".join(dict.fromkeys(str(entry["model"]) for entry in results))
     lines = [
-        "# Fit under a hard memory limit, side by side",
+        f"# Fit under a hard memory limit, side by side{': ' + models if models else ''}",
         "",
-        f"Regenerate: `{meta['command']}` (`python bench/fit.py --render bench/results/fit.json` rewrites this "
+        f"Regenerate: `{meta['command']}` (`python bench/fit.py --render {meta.get('json', 'bench/results/fit.json')}` "
+        "rewrites this "
         f"file from the JSON). Limit: {how}. CPU, AdamW, the number of steps per try under each model, the "
         "same batch each step. A limit is bytes or a fraction of the reference's cgroup peak. cgroup peak: what "
         "the kernel charged the try (its forked children included); VmHWM: the child's own peak resident set (shared "
@@ -708,6 +750,7 @@ def main() -> None:
         print(f"limit: {bench.mechanism} ({bench.where})", flush=True)
         for model in args.specs:
             entry = {"model": model.name, "batch": model.batch, "description": model.description, "rows": []}
+            entry["command"] = bench.command  # each table's header names the command that made it
             bench.results.append(entry)
             print(f"{model.name} batch {model.batch}", flush=True)
             if args.max_batch_only and all(isinstance(limit, int) for limit in args.limits):

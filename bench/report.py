@@ -41,6 +41,8 @@ ORDER = [
     "budget",
     "fit",
     "fit.unet",
+    "fit.gpt2",
+    "fit.llama-0.3b",
     "first_step",
     "step_overhead",
     "step_overhead_views",
@@ -52,6 +54,7 @@ ORDER = [
     "ddp",
     "fsdp",
     "fsdp_budget",
+    "fsdp_mp",
     "export",
 ]
 
