@@ -15,7 +15,11 @@ order, by the remat runtime (:class:`memplan.torch.remat_runtime.RematRunner`, e
   under the PyTorch profiler with ``profile_memory=True``, each op inside a
   ``record_function`` span; an op's workspace is the highest "Total Allocated" inside its span,
   minus the total just before its first allocation, minus its outputs' bytes (clamped at 0).
-  Optimizer updates are not measured (their temporaries are ops of the graph already).
+  Optimizer updates are not measured (their temporaries are ops of the graph already). An
+  output the kernel returns in a larger storage than traced (CPU ``mse_loss``: its 0-dim loss in
+  the unreduced loss's storage) is copied to its traced size inside the span by the runner
+  (:class:`memplan.torch.run.remat.Shrink`), so the larger storage is counted here, while the op
+  runs, and not held past it (issue 33).
 
 The graph is captured on FakeTensors, so it has no scratch; with the workspace,
 :func:`memplan.remat.lower.sequence_peak_bytes` and the solvers count it while the op runs.

@@ -12,6 +12,15 @@ A recompute of a training-mode batch norm is given no running statistics: the ou
 the first run's bitwise and the statistics are updated once per step, as in eager PyTorch
 (:func:`memplan.remat.problem.recompute_skips_mutation`). Random ops are never recomputed.
 
+An op whose kernel returns a fresh output in a storage larger than the traced one (PyTorch's CPU
+``mse_loss``, ``smooth_l1_loss``, ``binary_cross_entropy``, ``soft_margin_loss``: the 0-dim loss
+in the 128 KiB storage of the unreduced loss) would hold more than the plan counts for as long as
+the output lives (the step's loss: to the end of the step, one activation above the planned peak,
+issue 33). Its output is copied to a storage of the traced size, same strides, same bits
+(:class:`Shrink`), while the op runs: the larger storage is then its workspace, which the plan
+counts (:mod:`memplan.torch.run.profile`). Every interpreted op is checked; the ops found doing it
+on the first step are the ones the generated function copies.
+
 What this interpreter decides per step is fixed by the sequence, so by default the sequence is
 written once as one Python function (:mod:`memplan.torch.run.remat_codegen`, issue 33: the
 budgeted step's host time); ``executor="interpreted"`` keeps this loop, the reference.
@@ -83,6 +92,35 @@ class RematRunner(StepRunner):
         self.by_op = {self.plan.order[ins.position]: ins for ins in self.instructions}
         self.holders = self._holders()
         self.recomputes = 0
+        self.shrinks = self._shrinks()
+        self.learned = False  # an interpreted step has found which ops' outputs need shrinking
+
+    def _shrinks(self) -> dict[str, Shrink]:
+        """``fx node -> its Shrink``, for every op with a fresh output (one the graph says the
+        op allocates, not persistent)."""
+        graph, capture = self.graph, self.capture
+        shrinks: dict[str, Shrink] = {}
+        for node in capture.gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            value = node.meta.get("val")
+            leaves = pytree.tree_leaves(value)
+            fresh = []
+            for index, meta in enumerate(leaves):
+                if not isinstance(meta, torch.Tensor):
+                    continue
+                t = capture.tensor_of_storage.get(storage_key(meta))
+                if t is None or graph.tensors[t].persistent or not graph.tensors[t].size_bytes:
+                    continue
+                if capture.node_of_op[graph.producer[t]] == node.name:
+                    fresh.append((index, meta.untyped_storage().nbytes()))
+            if fresh:
+                shrinks[node.name] = Shrink(tuple(fresh), isinstance(value, torch.Tensor))
+        return shrinks
+
+    def shrunk_nodes(self) -> list[str]:
+        """The fx nodes whose outputs were found in larger storages than traced (and copied)."""
+        return [name for name, shrink in self.shrinks.items() if shrink.hits]
 
     def _holders(self) -> dict[int, list[str]]:
         """``tensor -> fx nodes whose value holds its storage`` (its producer and its views)."""
@@ -103,7 +141,7 @@ class RematRunner(StepRunner):
         each op, whose own ``_run`` the generated function would not call)."""
         env: dict[str, Any] = {}
         self._bind_inputs(env, batch)
-        if self.executor == "generated" and type(self)._run is RematRunner._run:
+        if self.executor == "generated" and type(self)._run is RematRunner._run and self.learned:
             generated = self.generated_step()
             self.recomputes = generated.static_stats["recomputes"]
             return self._finish(generated.function(env, self))
@@ -125,6 +163,8 @@ class RematRunner(StepRunner):
             elif isinstance(ins, _Call):
                 env[ins.node.name] = self._run(ins, env, recompute=i in ran)
             ran.add(i)
+        if not self.learned:  # the generated function copies what this step found to copy
+            self.learned, self._generated = True, None
         return self._result(env)
 
     def generated_step(self) -> Any:
@@ -143,7 +183,9 @@ class RematRunner(StepRunner):
             op_id = self.plan.order[ins.position]
             if recompute_skips_mutation(self.graph, op_id):
                 func, args = batch_norm_recompute(func, args)
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        shrink = self.shrinks.get(ins.node.name)
+        return result if shrink is None else shrink(result, (args, kwargs))
 
     def _free_or_defer(self, t: int, env: dict[str, Any], pending: set[str], deferred: dict[str, list[int]]) -> None:
         """The plan frees a gradient at its last traced read; the real optimizer reads it at
@@ -164,6 +206,47 @@ class RematRunner(StepRunner):
                     del env[name]
                 else:
                     env[name] = value
+
+
+class Shrink:
+    """An op's fresh outputs, each copied to a storage of its traced size when the kernel returned
+    it in a larger one (``hits`` counts the copies). ``leaves``: ``(index among the result's
+    pytree leaves, traced storage bytes)``; ``single``: the result is one tensor. The copy has
+    the output's sizes and strides and its bits (``empty_strided`` + ``copy_``); an output that
+    shares its storage with an input (an alias the trace did not see) is kept as it is."""
+
+    def __init__(self, leaves: tuple[tuple[int, int], ...], single: bool) -> None:
+        self.leaves = leaves
+        self.single = single
+        self.hits = 0
+
+    def __call__(self, value: Any, inputs: Any = None) -> Any:
+        if self.single:
+            return self._one(value, self.leaves[0][1], inputs) if isinstance(value, torch.Tensor) else value
+        items, spec = pytree.tree_flatten(value)
+        changed = False
+        for index, nbytes in self.leaves:
+            x = items[index] if index < len(items) else None
+            if isinstance(x, torch.Tensor):
+                y = self._one(x, nbytes, inputs)
+                changed = changed or y is not x
+                items[index] = y
+        return pytree.tree_unflatten(items, spec) if changed else value
+
+    def _one(self, x: torch.Tensor, nbytes: int, inputs: Any) -> torch.Tensor:
+        storage = x.untyped_storage()
+        if storage.nbytes() <= nbytes or (inputs is not None and _shares_storage(storage, inputs)):
+            return x
+        self.hits += 1
+        if torch._debug_has_internal_overlap(x) == 1:  # elements that overlap: no strided copy of them
+            return x.clone(memory_format=torch.contiguous_format)
+        return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device).copy_(x)
+
+
+def _shares_storage(storage: Any, inputs: Any) -> bool:
+    ptr = storage.data_ptr()
+    tensors = (a for a in pytree.tree_leaves(inputs) if isinstance(a, torch.Tensor))
+    return any(a.untyped_storage().data_ptr() == ptr for a in tensors)
 
 
 def _leaves(value: Any) -> list[torch.Tensor]:
@@ -356,4 +439,4 @@ def _timed(fn: Any, measure_memory: bool) -> tuple[Any, int, float]:
     return result, peak, time.perf_counter() - start
 
 
-__all__ = ["RematRunner", "batch_norm_recompute", "compare_remat_with_eager", "first_run_order", "plan_remat"]
+__all__ = ["RematRunner", "Shrink", "batch_norm_recompute", "compare_remat_with_eager", "first_run_order", "plan_remat"]

@@ -11,7 +11,9 @@ out as straight-line source, as :mod:`memplan.torch.run.codegen` writes a plain 
 * ``("run", op)``: one call of the op's kernel (its proven Python binding where there is one,
   :func:`memplan.torch.run.codegen._kernel`) with its arguments as locals; a recompute is the
   same call assigned to the same locals (a training-mode batch norm without its running
-  statistics, :func:`memplan.torch.run.remat.batch_norm_recompute`);
+  statistics, :func:`memplan.torch.run.remat.batch_norm_recompute`); an op the interpreted first
+  step found returning an output in a larger storage than traced has it copied to one of the
+  traced size (:class:`memplan.torch.run.remat.Shrink`, issue 33);
 * ``("free", tensor)``: ``del`` of the locals holding the tensor's storage (its producer's value
   and its views), at the place the interpreter frees it, or after the update that reads it when
   it is a gradient (the interpreter's deferred frees, resolved here);
@@ -110,16 +112,24 @@ class _Remat:
 
         w, node = self.w, ins.node
         if not recompute:
-            self.store(node, f"{_kernel(w, node.target, node)}({w.call_args(node)})")
+            self.store(node, self._shrunk(node, f"{_kernel(w, node.target, node)}({w.call_args(node)})"))
             return
         self.recomputes += 1
         op_id = self.runner.plan.order[ins.position]
         if not recompute_skips_mutation(self.runner.graph, op_id):
-            self.store(node, f"{_kernel(w, node.target, node)}({w.call_args(node)})")
+            self.store(node, self._shrunk(node, f"{_kernel(w, node.target, node)}({w.call_args(node)})"))
             return
         func, args = batch_norm_recompute(node.target, tuple(node.args))
         parts = [w.expr(a) for a in args] + [f"{k}={w.expr(v)}" for k, v in node.kwargs.items()]
-        self.store(node, f"{w.constant(getattr(func, '_op', func), 'op')}({', '.join(parts)})")
+        self.store(node, self._shrunk(node, f"{w.constant(getattr(func, '_op', func), 'op')}({', '.join(parts)})"))
+
+    def _shrunk(self, node: torch.fx.Node, expr: str) -> str:
+        """``expr`` with its fresh outputs copied to storages of their traced size, for an op the
+        interpreted step found returning them in larger ones (:class:`memplan.torch.run.remat.Shrink`)."""
+        shrink = self.runner.shrinks.get(node.name)
+        if shrink is None or not shrink.hits:
+            return expr
+        return f"{self.w.constant(shrink, 'shrink')}({expr})"
 
     def update(self, run: list[Any]) -> None:
         """One call of the optimizer for the updates of ``run`` (merged as codegen merges
