@@ -376,9 +376,11 @@ class CompiledStep:
         kept = self._kept.get(key)
         if kept is None:
             start = time.perf_counter()
+            budgeted = self.memory_budget is not None or self.max_overhead is not None
+            outside = self._outside_step(batch) if budgeted else None  # before capture (issue 33: OwnBytes)
             capture, plan = self._plan_shape(batch, key)
-            if self.memory_budget is not None or self.max_overhead is not None:
-                runner: StepRunner | ReplayedStep = self._budget_runner(capture, plan, batch)
+            if budgeted:
+                runner: StepRunner | ReplayedStep = self._budget_runner(capture, plan, batch, outside)
             elif self.allocator == "replay":
                 runner = ShapeReplay(
                     StepRunner(
@@ -555,7 +557,14 @@ class CompiledStep:
             if isinstance(runner, StepRunner) and id(runner) not in self._own_arena:
                 runner.arena = arena
 
-    def _budget_runner(self, capture: Capture, plan: MemoryPlan, batch: Any) -> StepRunner | ReplayedStep:
+    def _outside_step(self, batch: Any) -> int | None:
+        from memplan.torch.run.budget import outside_step_bytes
+
+        return outside_step_bytes(self.model, self.optimizers, batch)
+
+    def _budget_runner(
+        self, capture: Capture, plan: MemoryPlan, batch: Any, outside_before: int | None = None
+    ) -> StepRunner | ReplayedStep:
         """The runner within ``memory_budget``/``max_overhead`` (:mod:`memplan.torch.run.budget`):
         the reordered, placed plan when it fits, else the remat portfolio's plan run by
         :class:`RematRunner` (with the planned allocator, every allocation at a static offset)."""
@@ -574,6 +583,7 @@ class CompiledStep:
             time_limit_seconds=self.time_limit_seconds,
             joint_reorder=self.reorder,
             plain_order=plan.order,
+            outside_before_bytes=outside_before,
         )
         plan.report["budget"] = decided.report
 

@@ -50,6 +50,15 @@ their own (:mod:`memplan.torch.run.heap`), so the C library's heap does not keep
 GPT-2 (2 layers, AdamW, batch 16) at 1.85 GiB: every call peaks at 2392 MiB RSS, the first
 calls included (3037 MiB before; eager 2860 MiB): under a 2600 MiB cgroup limit,
 ``python bench/fit_first_call.py``.
+
+A budget in bytes is a bound on the step as the operating system measures it (issue 33): what
+memplan itself keeps resident outside the step (capture's program and graphs, the plan; the
+kernels' first-run caches, measured after the workspace runs) is read before capture and after,
+and taken out of the budget the solver and the placement are held to (:class:`OwnBytes`,
+``report["memplan_own_bytes"]``, ``first_runs_bytes``, ``outside_counted_bytes``); what the
+recording steps leave beyond that is counted when the arena is placed (re-planned tighter if
+over). The Llama at batch 1 (``bench/llama_budget.py``): 43 MiB counted, so 1.7 GiB is refused
+(the reordered plan needs 1.68 GiB plus those bytes) and 1.75 GiB measures 1.72 GiB.
 """
 
 from __future__ import annotations
@@ -166,6 +175,7 @@ class BudgetPlan:
     report: dict[str, Any] = field(default_factory=dict)
     solve_bytes: int | None = None
     context: _SolveContext | None = None
+    own: OwnBytes | None = None  # memplan's own resident bytes, as measured while planning
 
 
 @dataclass(frozen=True)
@@ -178,6 +188,7 @@ class _SolveContext:
     max_overhead: float | None
     order: tuple[int, ...] | None = None  # the stage order of the remat solves (the reordered plan's)
     groups: tuple[tuple[int, ...], ...] = ()  # the update groups: ops the runtime runs as one call
+    outside_bytes: int = 0  # memplan's own resident bytes taken out of the user's budget (OwnBytes)
 
 
 def plan_budget(
@@ -193,9 +204,13 @@ def plan_budget(
     joint_reorder: bool = False,
     measure_workspace: bool = True,
     plain_order: Sequence[int] | None = None,
+    outside_before_bytes: int | None = None,
 ) -> BudgetPlan:
     """The plan for a budget (see the module docstring). ``plain_peak_bytes``: the planned peak
     of the reordered, placed step without recomputation, ``plain_order`` its order.
+    ``outside_before_bytes``: what the process held outside the step just before capture
+    (:func:`outside_step_bytes`); with it, what memplan holds resident beyond that is counted
+    against a budget given in bytes (:class:`OwnBytes`).
     ``joint_reorder``: let the remat solver also move first runs later (only for steps without
     random ops: their draws keep program order). ``memory_budget="fit"``: the limit of this
     process (:mod:`memplan.torch.run.fit`), resolved now.
@@ -208,6 +223,8 @@ def plan_budget(
 
     check_max_overhead(max_overhead)
     fit = fit_budget(model, [optimizer], batch) if is_fit(memory_budget) else None
+    own = OwnBytes(outside_before_bytes, counted=fit is None and is_byte_budget(memory_budget))
+    own.measure_capture(model, optimizer, batch)
     try:
         decided = _plan_budget(
             capture,
@@ -222,16 +239,117 @@ def plan_budget(
             joint_reorder=joint_reorder,
             measure_workspace=measure_workspace,
             plain_order=plain_order,
+            own=own,
         )
     except InfeasibleBudget as err:
         if fit is None:
             raise
         raise InfeasibleBudget(f"{fit.describe()}; {err}") from None
+    decided.own = own
     if fit is not None:
         decided.report["limit"] = fit.as_report()
     elif memory_budget is not None and all(p.device.type == "cpu" for p in model.parameters()):
-        decided.report["process"] = check_process_room(decided.report["planned_peak_bytes"], model, optimizer, batch)
+        planned = decided.report["planned_peak_bytes"]
+        decided.report["process"] = check_process_room(planned, model, optimizer, batch, outside=own.last_outside)
     return decided
+
+
+def outside_step_bytes(model: torch.nn.Module, optimizers: Sequence[Any], batch: Any) -> int | None:
+    """What this process holds resident outside the step's own tensors now (CPU; ``None``
+    elsewhere): its resident set, the C heap's free pages handed back, less the parameters,
+    buffers, gradients, optimizer state and batch (:func:`memplan.torch.run.fit.step_tensor_bytes`)."""
+    from memplan.torch.rss import release_free_memory, rss_bytes
+    from memplan.torch.run.fit import step_tensor_bytes
+
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        return None
+    release_free_memory()
+    return max(0, rss_bytes() - step_tensor_bytes(model, optimizers, batch, torch.device("cpu")))
+
+
+def is_byte_budget(value: Any) -> bool:
+    """``memory_budget`` names bytes (``"1.7GiB"``, ``2_000_000_000``), not a fraction of the
+    checkpoint-all peak, nor ``"fit"``: the same bytes whatever the reference."""
+    from memplan.torch.run.fit import is_fit
+
+    if value is None or is_fit(value):
+        return False
+    try:
+        return parse_memory_budget(value, 10**12) == parse_memory_budget(value, 2 * 10**12)
+    except MemplanError:
+        return False
+
+
+@dataclass
+class OwnBytes:
+    """What memplan holds resident outside the step, the account of issue 33 ("a budget is a
+    bound"): the step as the operating system measures it is its peak resident set less what
+    the process held outside the step's tensors just before capture (``before``), so what
+    capture and planning keep resident (the captured program, its fx graph and fake tensors,
+    the plan; measured after capture: ``capture_bytes``) and what the kernels' first runs leave
+    (oneDNN's primitive cache, the thread pools, created while the workspace is measured, as
+    eager's first step creates them too: ``first_runs_bytes``) are in that peak beside the
+    plan's live bytes (OLLA eq. 1). With ``counted`` (a budget in bytes) the solver and the
+    placement are given ``memory_budget - total``, so the step the OS measures stays within
+    the user's budget; a fraction of the checkpoint-all peak is a ratio of plans and a
+    ``"fit"`` budget already leaves the process's resident set (capture's included) and a
+    margin out, so there the bytes are only reported. The Llama of ``bench/llama_budget.py``:
+    21 MiB after capture, 24 MiB more after the workspace runs; eager's first step grows the
+    same account by 27 MiB."""
+
+    before: int | None
+    counted: bool = False
+    capture_bytes: int = 0
+    first_runs_bytes: int = 0
+
+    last_outside: int | None = None  # the latest reading (:func:`outside_step_bytes`)
+
+    def _grown(self, model: torch.nn.Module, optimizer: Any, batch: Any) -> int:
+        now = None if self.before is None else outside_step_bytes(model, [optimizer], batch)
+        self.last_outside = now
+        return 0 if now is None or self.before is None else max(0, now - self.before)
+
+    def measure_capture(self, model: torch.nn.Module, optimizer: Any, batch: Any) -> None:
+        self.capture_bytes = self._grown(model, optimizer, batch)
+
+    def measure_first_runs(self, model: torch.nn.Module, optimizer: Any, batch: Any) -> None:
+        self.first_runs_bytes = max(0, self._grown(model, optimizer, batch) - self.capture_bytes)
+
+    @property
+    def total(self) -> int:
+        return self.capture_bytes + self.first_runs_bytes
+
+    @property
+    def subtracted(self) -> int:
+        """The bytes the step's budget is lowered by (0 unless ``counted``)."""
+        return self.total if self.counted else 0
+
+    def growth_since(self, model: torch.nn.Module, optimizers: Sequence[Any], batch: Any) -> int:
+        """What the process holds outside the step beyond what was counted (the recording steps'
+        objects: the traces, the runner's first-run state), read now; 0 without a reading before."""
+        now = None if self.before is None else outside_step_bytes(model, optimizers, batch)
+        return 0 if now is None or self.before is None else max(0, now - self.before - self.total)
+
+    def step_budget(self, budget_bytes: int | None) -> int | None:
+        """The step's share of a budget of ``budget_bytes`` (at least 1 byte: a refusal then names
+        the smallest peak there is, memplan's own bytes added)."""
+        if budget_bytes is None or not self.counted:
+            return budget_bytes
+        return max(1, budget_bytes - self.total)  # none left: 1 byte, refused with the smallest peak there is
+
+    def describe(self) -> str:
+        return (
+            f"{format_bytes(self.total)} ({format_bytes(self.capture_bytes)} from capture and planning, "
+            f"{format_bytes(self.first_runs_bytes)} from the kernels' first runs)"
+        )
+
+    def as_report(self, user_bytes: int | None) -> dict[str, Any]:
+        return {
+            "memory_budget_bytes": user_bytes,
+            "memplan_own_bytes": self.capture_bytes,
+            "first_runs_bytes": self.first_runs_bytes,
+            "outside_counted_bytes": self.subtracted,
+        }
 
 
 def check_process_room(
@@ -240,6 +358,7 @@ def check_process_room(
     optimizer: torch.optim.Optimizer,
     batch: Any,
     limit: tuple[int, str] | None = None,
+    outside: int | None = None,
 ) -> dict[str, int | str]:
     """The step's peak as the operating system will measure it, checked before the step runs
     (CPU): what the process holds outside the step's tensors now (its resident set, the C
@@ -250,13 +369,14 @@ def check_process_room(
     killed, so it is refused in one line naming the budget that fits; else the account is
     returned for the report. The Llama of ``bench/llama_budget.py`` (1.85 GiB) held 403 MiB
     outside its step before ``compile_step`` and 46 MiB more once planned (capture's objects,
-    the kernels' first runs); its peak RSS less the 403 MiB was 1.72 GiB, its plan 1.68 GiB."""
-    from memplan.torch.rss import release_free_memory, rss_bytes
-    from memplan.torch.run.fit import cpu_limit, margin_for, step_tensor_bytes
+    the kernels' first runs); its peak RSS less the 403 MiB was 1.72 GiB, its plan 1.68 GiB.
+    ``outside``: that account read already (:func:`outside_step_bytes`, after planning)."""
+    from memplan.torch.rss import rss_bytes
+    from memplan.torch.run.fit import cpu_limit, margin_for
 
-    release_free_memory()
+    if outside is None:
+        outside = outside_step_bytes(model, [optimizer], batch) or 0
     rss = rss_bytes()
-    outside = max(0, rss - step_tensor_bytes(model, [optimizer], batch, torch.device("cpu")))
     predicted = outside + planned_peak_bytes
     try:
         limit_bytes, source = cpu_limit(rss) if limit is None else limit
@@ -287,6 +407,7 @@ def _plan_budget(
     joint_reorder: bool,
     measure_workspace: bool,
     plain_order: Sequence[int] | None,
+    own: OwnBytes | None = None,
 ) -> BudgetPlan:
     from memplan.remat.baselines import checkpoint_all
     from memplan.remat.problem import RematProblem, is_random
@@ -294,17 +415,32 @@ def _plan_budget(
     graph = held_graph(capture)
     reorder = joint_reorder and not any(is_random(op.kind) for op in graph.ops)
 
-    def budget_for(reference_bytes: int) -> int | None:
+    own = OwnBytes(None) if own is None else own
+
+    def user_budget(reference_bytes: int) -> int | None:
         if fit_bytes is not None:
             return fit_bytes
         return parse_memory_budget(memory_budget, reference_bytes) if memory_budget is not None else None
 
+    def budget_for(reference_bytes: int) -> int | None:  # the step's share: memplan's own bytes taken out
+        return own.step_budget(user_budget(reference_bytes))
+
     probe: Any = None  # the plan the workspace is measured with (None: program order)
     if measure_workspace and any(p.device.type == "cpu" for p in model.parameters()):
         unmeasured = checkpoint_all(RematProblem(graph, 10**18)).peak_bytes
-        probe = _probe_plan(graph, budget_for(unmeasured), plain_peak_bytes, plain_order, time_limit_seconds, reorder)
+        probe = _probe_plan(
+            graph,
+            budget_for(unmeasured),
+            plain_peak_bytes,
+            plain_order,
+            time_limit_seconds,
+            reorder,
+            own.subtracted,
+            user_budget(unmeasured),
+        )
     steps = None if probe is None else probe.steps
     workspace = measure_op_workspace(capture, model, optimizer, batch, steps=steps) if measure_workspace else ()
+    own.measure_first_runs(model, optimizer, batch)
     warn_unmeasured_device(model)
     reference = checkpoint_all(RematProblem(graph, 10**18, workspace=workspace)).peak_bytes
     budget_bytes = budget_for(reference)
@@ -312,11 +448,12 @@ def _plan_budget(
     order = None if plain_order is None else tuple(plain_order)
     groups = _update_groups(capture)
     context = _SolveContext(
-        graph, tuple(workspace), reference, reorder, time_limit_seconds, max_overhead, order, groups
+        graph, tuple(workspace), reference, reorder, time_limit_seconds, max_overhead, order, groups, own.subtracted
     )
     report: dict[str, Any] = {
         "memory_budget": memory_budget,
-        "budget_bytes": budget_bytes,
+        "budget_bytes": budget_bytes,  # the step's share (the plan's live bytes and placed arena are held to it)
+        **own.as_report(user_budget(reference)),
         "max_overhead": max_overhead,
         "checkpoint_all_peak_bytes": reference,
         "plain_planned_peak_bytes": plain_peak_bytes + scratch,
@@ -424,6 +561,8 @@ def _probe_plan(
     plain_order: Sequence[int] | None,
     time_limit_seconds: float,
     reorder: bool,
+    outside_bytes: int = 0,
+    named_bytes: int | None = None,
 ) -> Any:
     """What the workspace is measured with, within ``budget_bytes`` (not counting the
     workspace): the reordered plan where it fits, else the remat portfolio's plan without
@@ -447,6 +586,8 @@ def _probe_plan(
                 (),
                 reordered_bytes=plain_peak_bytes if plain_order is not None else None,
                 time_limit_seconds=time_limit_seconds,
+                outside_bytes=outside_bytes,
+                named_bytes=named_bytes,
             )
         )
     return schedule
@@ -462,12 +603,14 @@ def _checkpoint_all_peak(graph: Any) -> int:
 def _still_within(graph: Any, probe: Any, workspace: Sequence[int], budget_bytes: int) -> Any:
     """The probe's remat plan when it stays within the budget with the measured workspace
     counted (the cheapest found without workspace, so the cheapest found with it): no second
-    solve. ``None`` otherwise."""
+    solve. ``None`` otherwise. Its peak is the one with the workspace (the probe's own left it
+    out), its budget the one it is now held to."""
     from memplan.remat.lower import sequence_peak_bytes
 
     if probe is None or isinstance(probe, _OrderProbe) or not getattr(probe, "feasible", False):
         return None
-    return probe if sequence_peak_bytes(graph, probe.steps, workspace) <= budget_bytes else None
+    peak = sequence_peak_bytes(graph, probe.steps, workspace)
+    return replace(probe, peak_bytes=peak, budget_bytes=budget_bytes) if peak <= budget_bytes else None
 
 
 def _reorder_only(peak_bytes: int, status: str) -> dict[str, Any]:
@@ -519,6 +662,7 @@ def _solve_within(
                 reordered_bytes=plain_peak,
                 runnable_bytes=runnable_bytes,
                 time_limit_seconds=context.time_limit_seconds,
+                outside_bytes=context.outside_bytes,
             )
         )
     if context.max_overhead is not None and schedule.overhead > context.max_overhead + 1e-12:
@@ -600,6 +744,10 @@ _INPUT_KEYS = (
     "checkpoint_all_peak_bytes",
     "plain_planned_peak_bytes",
     "workspace_bytes_max",
+    "memory_budget_bytes",
+    "memplan_own_bytes",
+    "first_runs_bytes",
+    "outside_counted_bytes",
 )
 
 
@@ -648,16 +796,37 @@ class BudgetedReplay(ReplayedStep):
         self.persistent_bytes = persistent_bytes
         self.report = report
         self.report["placement_rounds"] = []
+        self.own = decided.own
+        self._batch: Any = None  # the batch of the recording step being placed
         if decided.report.get("budget_bytes") is not None:  # the device holds at most the budget from the first step
             self.native.hold_cache_within(decided.report["budget_bytes"], 0)
+
+    def _outside_bytes(self) -> int:
+        """memplan's own bytes the step's budget was lowered by (:class:`OwnBytes`)."""
+        return 0 if self.decided.context is None else self.decided.context.outside_bytes
 
     def _record(self, batch: Any) -> Any:
         """A recording step on the ordinary allocator, its large blocks mapped on their own so
         that the C library's heap does not hold their pages past their frees (:mod:`heap`)."""
-        with blocks_mapped():
-            return super()._record(batch)
+        self._batch = batch
+        try:
+            with blocks_mapped():
+                return super()._record(batch)
+        finally:
+            self._batch = None
+
+    def _own_growth(self) -> int:
+        """What the recording steps left resident outside the step beyond memplan's own bytes
+        counted at planning (issue 33), for a budget in bytes; read before the arena is placed."""
+        if self.own is None or not self.own.counted or self._batch is None:
+            return 0
+        model, optimizers = getattr(self.run, "model", None), getattr(self.run, "optimizers", None)
+        if model is None or optimizers is None:
+            return 0
+        return self.own.growth_since(model, optimizers, self._batch)
 
     def _plan(self, trace: AllocationTrace) -> None:
+        grown = self._own_growth()
         super()._plan(trace)
         assert self.plan is not None and self.placement is not None
         budget = self.decided.report["budget_bytes"]
@@ -666,6 +835,7 @@ class BudgetedReplay(ReplayedStep):
         # on a GPU, what the device holds in use besides the step (cuBLAS' workspace, rounding), if more
         device = self.native.persistent_in_use(self.shared.tensor.numel(), kept)
         placed = max(self.persistent_bytes, device or 0) + self.arena_block_bytes + outside
+        self.report["own_growth_first_steps_bytes"] = grown  # counted beside the placed step (issue 33)
         rounds = self.report["placement_rounds"]
         rounds.append(
             {
@@ -677,23 +847,26 @@ class BudgetedReplay(ReplayedStep):
             }
         )
         self.report["placed_peak_bytes"] = placed
-        if budget is None or placed <= budget:
+        if budget is None or placed + grown <= budget:
             # what the allocator may keep cached beyond the placed step: the budget's headroom
             # (the planned CUDA allocator's cache bound; the CPU one caches nothing of its own)
-            held = None if budget is None else self.native.hold_cache_within(budget, placed)
+            held = None if budget is None else self.native.hold_cache_within(budget, placed + grown)
             self.report["cache_bound_bytes"] = held
             return
         self.plan = self.placement = self._previous = None
         self.shared.release()
         if len(rounds) > MAX_TIGHTENINGS:
+            mine = self._outside_bytes() + grown
+            own = f" beside memplan's own {format_bytes(mine)}" if mine else ""
             raise InfeasibleBudget(
-                f"memory_budget {format_bytes(budget)}: the placed step still needs {format_bytes(placed)} "
+                f"memory_budget {format_bytes(budget + self._outside_bytes())}: the placed step still needs "
+                f"{format_bytes(placed)}{own} "
                 f"(persistent {format_bytes(self.persistent_bytes)}, arena {format_bytes(rounds[-1]['arena_bytes'])} "
                 f"for {format_bytes(rounds[-1]['arena_lower_bound_bytes'])} live at most) after {MAX_TIGHTENINGS} "
                 f"re-plans with the budget lowered by the placement's excess: raise memory_budget to at least "
-                f"{format_bytes(placed)} or give more time_limit_seconds"
+                f"{format_bytes(placed + grown + self._outside_bytes())} or give more time_limit_seconds"
             )
-        self.decided = tighten_budget(self.decided, placed - budget, placed)
+        self.decided = tighten_budget(self.decided, placed + grown - budget, placed + grown)
         self.report.update(self.decided.report)
         self.run = self.make_runner(self.decided.schedule)
         self.recordings = 0
@@ -710,12 +883,16 @@ def _infeasible_message(
     reordered_bytes: int | None = None,
     runnable_bytes: int | None = None,
     time_limit_seconds: float = 10.0,
+    outside_bytes: int = 0,
+    named_bytes: int | None = None,
 ) -> str:
     """One line: the budget, the smallest peak known to be reachable, and what to do.
     ``user_bytes``: the user's budget when ``budget_bytes`` is one tightened for placement;
     ``reordered_bytes``: the reordered plan's peak (it runs with no recomputation), a peak memplan
     can run even where every remat plan found was larger (before placement); ``runnable_bytes``:
-    a placed peak that ran (the advice never names more). The baselines that name the smallest
+    a placed peak that ran (the advice never names more); ``outside_bytes``: memplan's own
+    resident bytes taken out of the user's budget (:class:`OwnBytes`), added back to the budget
+    named and to the advice; ``named_bytes``: the user's budget, named when given. The baselines that name the smallest
     peak run within a tenth of the time limit (at most 10 s): a refusal must not outlast the solve."""
     from memplan.remat.baselines import BASELINES, run_baselines
     from memplan.remat.problem import RematProblem
@@ -733,13 +910,20 @@ def _infeasible_message(
         proof += f" (none that runs each op at most {runs} times, proven)"
     placing = 0 if user_bytes is None else max(0, user_bytes - budget_bytes)
     advice = lowest + placing if runnable_bytes is None else min(lowest + placing, runnable_bytes)
-    head = f"memory_budget {format_bytes(budget_bytes)} is below what this step can reach: {proof}"
+    named = budget_bytes if user_bytes is None else user_bytes
+    own = ""
+    if outside_bytes:
+        own = f" less the {format_bytes(outside_bytes)} memplan holds outside the step"
+        advice += outside_bytes
+    given = budget_bytes + outside_bytes if named_bytes is None else named_bytes
+    head = f"memory_budget {format_bytes(given)}{own} is below what this step can reach: {proof}"
     more_time = ", lower the batch size, or give more time_limit_seconds"
     if schedule.status == "infeasible":  # more time cannot help once no plan is proven to exist
         more_time = " or lower the batch size"
     if placing:
         head = (
-            f"memory_budget {format_bytes(user_bytes)} is below what this step can reach once its arena is placed: "  # type: ignore[arg-type]
+            f"memory_budget {format_bytes(named + outside_bytes)}{own} is below what this step can reach once its "
+            "arena is placed: "
             f"the placement needs {format_bytes(placing)} above the live bytes, and within "
             f"{format_bytes(budget_bytes)} of live bytes {proof}"
         )
@@ -747,6 +931,7 @@ def _infeasible_message(
         f"{head}; the smallest peak found is {format_bytes(lowest)} (no plan goes below {format_bytes(floor)}, "
         f"checkpoint-all needs {format_bytes(reference)}): raise memory_budget to at least "
         f"{format_bytes(advice)}{more_time}"
+        + (f" (memplan's own {format_bytes(outside_bytes)} included)" if outside_bytes else "")
     )
 
 
@@ -823,10 +1008,13 @@ __all__ = [
     "MAX_TIGHTENINGS",
     "BudgetPlan",
     "BudgetedReplay",
+    "OwnBytes",
     "RematUnsupported",
     "check_process_room",
     "check_remat_supported",
+    "is_byte_budget",
     "measure_op_workspace",
+    "outside_step_bytes",
     "parse_memory_budget",
     "plan_budget",
     "tighten_budget",
