@@ -399,6 +399,12 @@ def _make_step(spec: dict[str, Any], w: Any, optimizer: Any) -> tuple[Callable[[
         return eager, dict
     from memplan.api import CompiledStep
 
+    if spec.get("simulated_card"):
+        # a simulated card holds the step's tensors only: the host's own pages are not the card's
+        # memory, as on CUDA, where memplan counts none of them (outside_step_bytes is None there)
+        import memplan.torch.run.budget as budget_module
+
+        budget_module.outside_step_bytes = lambda *args: None
     compiled = CompiledStep.of_loss(
         w.model,
         optimizer,
@@ -996,6 +1002,7 @@ class Suite:
             [batch],
             allocator=self.args.fit_allocator,
             memory_budget=budget,
+            simulated_card=size["simulated_card"],
             warmup=2,
             steps=3,
             env=FIT_ENV,
