@@ -270,24 +270,19 @@ call makes them all at its place)."""
 
 def groups_breach(graph: Graph, steps: Sequence[Step], groups: Groups) -> str | None:
     """None when, in ``steps``, no run of an op outside a group lies between the first and the
-    last run of the group's ops; else one line naming the first group that is broken."""
-    group_of = {v: g for g, members in enumerate(groups) for v in members}
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    count: dict[int, int] = {}
+    last run of the group's ops (:func:`memplan.remat.stage_order.broken_group`); else one line
+    naming the first group that is broken."""
+    from memplan.remat.stage_order import broken_group
+
+    g = broken_group(steps, groups)
+    if g is None:
+        return None
+    members = set(groups[g])
     runs = [i for kind, i in steps if kind == "run"]
-    for pos, v in enumerate(runs):
-        g = group_of.get(v)
-        if g is not None:
-            first.setdefault(g, pos)
-            last[g] = pos
-            count[g] = count.get(g, 0) + 1
-    for g, start in first.items():
-        if last[g] - start + 1 != count[g]:
-            inside = next(runs[p] for p in range(start, last[g]) if group_of.get(runs[p]) != g)
-            name = graph.ops[groups[g][0]].name
-            return f"op {graph.ops[inside].name!r} runs inside the group of {name!r}, which runs as one call"
-    return None
+    at = [p for p, v in enumerate(runs) if v in members]
+    inside = next(runs[p] for p in range(at[0], at[-1]) if runs[p] not in members)
+    name = graph.ops[groups[g][0]].name
+    return f"op {graph.ops[inside].name!r} runs inside the group of {name!r}, which runs as one call"
 
 
 def check_groups_contiguous(graph: Graph, steps: Sequence[Step], groups: Groups) -> None:
