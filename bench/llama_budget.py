@@ -158,12 +158,11 @@ def account(mode: str, batch_size: int = 1, budget: str = "1.85GiB", steps: int 
 
 
 def _outside_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: object) -> int:
-    """RSS (the C heap's free pages handed back) less the step's tensors already allocated."""
-    from memplan.torch.rss import release_free_memory
-    from memplan.torch.run.fit import step_tensor_bytes
+    """RSS (the C heap's free pages handed back) less the step's tensors already allocated: the
+    account memplan's budget path reads (:func:`memplan.torch.run.budget.outside_step_bytes`)."""
+    from memplan.torch.run.budget import outside_step_bytes
 
-    release_free_memory()
-    return rss_bytes() - step_tensor_bytes(model, [optimizer], batch, torch.device("cpu"))
+    return outside_step_bytes(model, [optimizer], batch) or 0
 
 
 def account_text(accounts: list[dict]) -> str:

@@ -122,9 +122,14 @@ def state_step_within_eager(
     an arena): when it will create the optimizers' state, the arena's pages holding nothing
     the step still reads are given back before each of its optimizer calls (the runner's
     ``_update_with``, wrapped for this step only). ``runner.released_at_state_bytes``: the
-    most given back at one call."""
+    most given back at one call. Once the state exists the runner is marked
+    (``runner.state_made``) and later steps skip the check: it walks every parameter's state."""
     offsets, block = runner.plan.offsets, runner.arena
+    if getattr(runner, "state_made", False):
+        yield
+        return
     if not offsets or block.device.type != "cpu" or not creates_state(runner.capture, model, optimizers):
+        runner.state_made = bool(offsets) and block.device.type == "cpu"
         yield
         return
     runs = run_times(runner.capture, runner.plan.order)
@@ -142,3 +147,4 @@ def state_step_within_eager(
     finally:
         del runner._update_with
         runner.released_at_state_bytes = released[0]
+    runner.state_made = True
