@@ -797,15 +797,55 @@ def _same_dense_layout(value: torch.Tensor, out: torch.Tensor) -> bool:
 _WEIGHT_ARGUMENT = {"aten::convolution": 1, "aten::convolution_backward": 2}
 
 
+# A reduced loss whose CPU kernel materialises the unreduced loss (issue 33): the index of its
+# ``reduction`` argument, and how many buffers of the unreduced loss's size it holds while it runs
+# through its out= variant (the views path's "out") and through the functional kernel (whose
+# 0-dim result comes back in one of them: "copy", "plain"). Measured with PyTorch 2.13's CPU
+# kernels (tests/torch/test_remat_views_peak.py checks each against the allocator's peak).
+UNREDUCED_LOSSES = {
+    "aten::mse_loss": (2, 1, 2),
+    "aten::smooth_l1_loss": (2, 1, 2),
+    "aten::huber_loss": (2, 0, 1),
+    "aten::binary_cross_entropy": (3, 0, 1),
+    "aten::soft_margin_loss": (2, 0, 1),
+}
+
+
 def _scratch_bytes(ins: _Call, args: Any) -> int:
     """Bytes one op holds outside the arena while it runs: outputs computed before their copy
-    into the arena, and, for a CPU convolution, the copy of its weight that oneDNN makes in
-    its blocked layout on every call (measured: as large as the weight; eager pays it too)."""
+    into the arena, the unreduced loss a reduced loss's kernel materialises
+    (:func:`unreduced_loss_bytes`: MSE's 128 KiB for a 0-dim loss of 512 x 64 inputs), and, for a
+    CPU convolution, the copy of its weight that oneDNN makes in its blocked layout on every call
+    (measured: as large as the weight; eager pays it too)."""
     scratch = sum(_nbytes(o) for o in ins.fresh if ins.strategy == "copy" and o.offset is not None)
+    scratch += unreduced_loss_bytes(ins.node, through_out=ins.strategy == "out")
     position = _WEIGHT_ARGUMENT.get(ins.node.target._schema.name)
     if position is not None and isinstance(args[position], torch.Tensor):
         scratch += args[position].untyped_storage().nbytes()
     return scratch
+
+
+def unreduced_loss_bytes(node: torch.fx.Node, *, through_out: bool) -> int:
+    """What a reduced loss's CPU kernel (:data:`UNREDUCED_LOSSES`) holds beyond its traced output
+    while it runs: buffers of the unreduced loss (its inputs' broadcast shape, the output's dtype);
+    0 for any other op, for ``reduction="none"`` (the output is the unreduced loss) and off the
+    CPU. ``through_out``: called through its out= variant, else the functional kernel."""
+    known = UNREDUCED_LOSSES.get(getattr(getattr(node.target, "_schema", None), "name", ""))
+    out = node.meta.get("val")
+    if known is None or not isinstance(out, torch.Tensor) or out.device.type != "cpu":
+        return 0
+    index, with_out, functional = known
+    reduction = node.args[index] if len(node.args) > index else node.kwargs.get("reduction", 1)
+    inputs = [a.meta.get("val") for a in node.args[:2] if isinstance(a, torch.fx.Node)]
+    if reduction == 0 or len(inputs) != 2 or not all(isinstance(x, torch.Tensor) for x in inputs):
+        return 0
+    numel = torch.Size(torch.broadcast_shapes(inputs[0].shape, inputs[1].shape)).numel()
+    return (with_out if through_out else functional) * numel * out.element_size() + LOSS_REDUCTION_BYTES
+
+
+LOSS_REDUCTION_BYTES = 64
+"""The reduction's own small temporaries inside a reduced loss's kernel (0-dim intermediates:
+8-16 bytes measured), counted beside its unreduced buffers (:func:`unreduced_loss_bytes`)."""
 
 
 def _nbytes(output: _Output) -> int:

@@ -23,7 +23,13 @@ on the first step are the ones the generated function copies.
 
 What this interpreter decides per step is fixed by the sequence, so by default the sequence is
 written once as one Python function (:mod:`memplan.torch.run.remat_codegen`, issue 33: the
-budgeted step's host time); ``executor="interpreted"`` keeps this loop, the reference.
+budgeted step's host time); ``executor="interpreted"`` keeps this loop, the reference. It is
+written at the end of the first (interpreted) step, when the step's tensors are freed, not at
+the start of the second: compiling a function of thousands of lines leaves some MiB of freed
+heap that the next step would otherwise run on top of (the Llama of ``bench/llama_budget.py``
+at batch 2: 5.9 MiB above its steady steps); the recording step then hands them back as it ends
+(:meth:`memplan.torch.run.replay.ReplayedStep._record`) and the function's own bytes are
+counted before the next step (:class:`memplan.torch.run.budget.BudgetedReplay`).
 """
 
 from __future__ import annotations
@@ -165,6 +171,8 @@ class RematRunner(StepRunner):
             ran.add(i)
         if not self.learned:  # the generated function copies what this step found to copy
             self.learned, self._generated = True, None
+            if self.executor == "generated" and type(self)._run is RematRunner._run:
+                self.generated_step()  # written now, at the end of this step, not inside the next one
         return self._result(env)
 
     def generated_step(self) -> Any:
