@@ -53,6 +53,7 @@ ORDER = [
     "streams",
     "ddp",
     "fsdp",
+    "fsdp_4ranks",
     "fsdp_budget",
     "fsdp_mp",
     "export",

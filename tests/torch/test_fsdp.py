@@ -54,21 +54,26 @@ def _check(ranks: list[dict], steps: int, collectives: int) -> None:
 
 
 def _full_and_mixed(steps: int) -> dict[str, dict]:
-    """Full precision and bf16 mixed precision (:func:`_mixed_precision`) in one spawn of the ranks."""
-    return {"full": _two_ranks(None, steps), "mixed": _mixed_precision(None, steps)}
+    """Full precision, bf16 mixed precision (:func:`_mixed_precision`) and a prefetching plan
+    (:func:`_prefetching_plan`) in one spawn of the ranks."""
+    return {"full": _two_ranks(None, steps), "mixed": _mixed_precision(None, steps), "prefetch": _prefetching_plan(2)}
 
 
 def test_two_ranks_train_bit_for_bit_like_fsdp2() -> None:
     """FSDP2's defaults: blocks reshard after forward, the root does not. In the forward, one
     gather per parameter of the 4 units (3 blocks and the root: 8); in the backward the blocks'
     again where the backward reads a weight (blocks 1 and 2, not block 0: its input needs no
-    gradient: 4); one reduce-scatter per unit (4). The same ranks then train in bf16 mixed
-    precision (:func:`_check_mixed`)."""
+    gradient: 4); one reduce-scatter per unit (4), all asynchronous on a communication stream
+    (:func:`_check_choice`). The same ranks then train in bf16 mixed precision
+    (:func:`_check_mixed`) and with prefetch fixed at 2 (:func:`_check_prefetching`)."""
     ranks = fc.run_ranks(2, _full_and_mixed, 3)
     for r in ranks:
         assert "error" not in r, r["error"]
     _check([r["full"] for r in ranks], steps=3, collectives=8 + 4 + 4)
     _check_mixed([r["mixed"] for r in ranks], steps=3, collectives=8 + 4 + 4)
+    for r in ranks:
+        _check_choice(r["full"]["streams"])
+        _check_prefetching(r["prefetch"], collectives=8 + 4 + 4)
 
 
 @pytest.mark.slow
@@ -487,3 +492,154 @@ def test_a_budget_the_fsdp2_step_cannot_take_is_refused_in_one_line(one_rank, bu
     with pytest.raises(MemplanError, match=reason) as err:
         memplan.compile_step(model, fc.adamw(model), fc.cross_entropy, fc.mlp_batch(0), memory_budget=budget)
     assert "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------- collectives on a communication stream
+
+
+def _in_flight_overlaps(step_graph, order, offsets) -> list[str]:
+    """Arena tensors that a plan lets share bytes with an in-flight collective's input or output:
+    any tensor made on the compute stream between a collective's launch and its wait (an oracle
+    written apart from the streams core)."""
+    from memplan.streams import is_collective, is_wait
+
+    position = {v: i for i, v in enumerate(order)}
+    bad = []
+    for c, op in enumerate(step_graph.ops):
+        if not is_collective(op):
+            continue
+        (w,) = [s for s in step_graph.successors[c] if is_wait(step_graph.ops[s])]
+        held = [t for t in (*op.inputs, *op.outputs) if t in offsets]
+        for v in order[position[c] + 1 : position[w]]:
+            for t in step_graph.ops[v].outputs:
+                if t not in offsets:
+                    continue
+                for h in held:
+                    lo, hi = offsets[h], offsets[h] + step_graph.tensors[h].size_bytes
+                    if offsets[t] < hi and lo < offsets[t] + step_graph.tensors[t].size_bytes:
+                        bad.append(f"{step_graph.tensors[t].name} over {step_graph.tensors[h].name}")
+    return bad
+
+
+def _prefetching_plan(steps: int) -> dict:
+    """memplan's two-stream plan with prefetch fixed at 2 (gathers two units ahead, each
+    reduce-scatter waited for after the next launch: several collectives in flight at once) vs
+    eager FSDP2: the numbers after every step, and the plan's invariants on this rank."""
+    from memplan.streams import is_collective, is_wait, validate_stream_placement
+    from memplan.torch.distributed.fsdp_step import compile_fsdp_step
+
+    batch = fc.mlp_batch(dist.get_rank())
+    build = lambda seed: fc.mlp(seed, width=64, depth=3)  # noqa: E731
+    eager = fc.shard(build(0), dist.get_world_size())
+    eager_opt = fc.adamw(eager)
+    run_eager = fc._eager(eager, eager_opt, fc.cross_entropy)
+    model = fc.shard(build(0), dist.get_world_size())
+    opt = fc.adamw(model)
+    step = compile_fsdp_step(
+        model, opt, fc.cross_entropy, batch, time_limit_seconds=0.5, prefetch=2, record_times=True
+    )
+    runner = step.runner_for(batch)
+    g, order = runner.step_graph, runner.stream_order
+    position = {v: i for i, v in enumerate(order)}
+    wrong, in_flight = [], 0
+    for c, op in enumerate(g.ops):
+        if not is_collective(op):
+            continue
+        (w,) = [s for s in g.successors[c] if is_wait(g.ops[s])]
+        readers = [r for t in op.outputs for r in g.consumers[t] if r != w]
+        if not position[c] < position[w] < min(position[r] for r in readers):
+            wrong.append(op.name)
+        in_flight = max(in_flight, sum(is_collective(g.ops[v]) for v in order[position[c] : position[w]]))
+    check = validate_stream_placement(g, runner.plan.offsets, order)
+    diffs = []
+    for k in range(steps):
+        torch.manual_seed(7 + k)
+        ours = step(batch)
+        torch.manual_seed(7 + k)
+        theirs = run_eager(batch)
+        diffs.append(max(fc._diff([ours], [theirs]), fc._diff(fc._locals(model, opt), fc._locals(eager, eager_opt))))
+    return {
+        "collectives": sum(is_collective(op) for op in g.ops),
+        "streams": step.report["streams"],
+        "misordered": wrong,
+        "most_in_flight": in_flight,
+        "safe": check.safe and check.overlapping_pairs > 0,
+        "overlaps": _in_flight_overlaps(g, order, runner.plan.offsets),
+        "diffs": diffs,
+        "launched": len(runner.inflight.launches),
+        "waited": len(runner.inflight.waited),
+        "timed": all(0 < e.launched <= e.wait_start <= e.wait_end for e in runner.inflight.launches)
+        and all(e.done > 0 for e in runner.inflight.launches if e.kind == "all_gather"),  # gloo's RS: no future
+    }
+
+
+def _check_prefetching(r: dict, collectives: int) -> None:
+    """Each all-gather and reduce-scatter launched asynchronously (gloo) on stream 1, its wait on
+    the compute stream after its launch and before the first reader of its output, several in
+    flight at once; no arena tensor made while a collective is in flight shares its buffers'
+    bytes (an oracle here, and the streams core's execution validator); every launch waited for;
+    the loss, gathered parameters and optimizer state equal eager FSDP2's after every step."""
+    assert r["collectives"] == r["launched"] == r["waited"] == collectives and r["timed"]
+    assert r["misordered"] == [] and r["overlaps"] == [] and r["safe"]
+    assert r["most_in_flight"] > 1
+    assert r["diffs"] == [0.0] * len(r["diffs"])
+    assert r["streams"]["prefetch"] == 2 and "prefetch fixed at 2" in r["streams"]["why"]
+
+
+def _check_choice(streams: dict) -> None:
+    """The plan's own choice among its candidates (every prefetch depth and wait policy): the
+    smallest planned peak, ties to the most overlap, with its reason."""
+    tried = [(c["prefetch"], c["waits"]) for c in streams["candidates"]]
+    assert tried == [(0, "serial"), (0, "earliest"), (0, "next"), (1, "next"), (2, "next")]
+    picked = (streams["prefetch"], streams["waits"])
+    chosen = [c for c in streams["candidates"] if (c["prefetch"], c["waits"]) == picked]
+    smallest = min(c["planned_peak_bytes"] for c in streams["candidates"])
+    assert chosen[0]["planned_peak_bytes"] == smallest and streams["why"].startswith("the smallest planned peak")
+    deepest = max(streams["candidates"], key=lambda c: c["overlap_ops"])
+    assert deepest["prefetch"] == 2 and deepest["overlap_ops"] > 0
+
+
+def test_the_stream_choice_takes_the_smallest_peak_or_the_most_overlap_within_a_budget() -> None:
+    """Without a budget: the smallest planned peak, ties to the most overlap; with one: the most
+    overlap whose planned peak fits, else the smallest peak, saying none fits."""
+    from memplan.torch.distributed.fsdp_plan import Candidate, choose
+
+    def c(depth: int, waits: str, peak: int, ops: int) -> Candidate:
+        return Candidate(depth, waits, (), peak, 0, peak, ops)
+
+    serial, early = c(0, "serial", 100, 0), c(0, "earliest", 100, 5)
+    nxt, ahead = c(0, "next", 130, 9), c(1, "next", 160, 20)
+    best, why = choose([serial, early, nxt, ahead])
+    assert best is early and why.startswith("the smallest planned peak (100 B), shared by 2")
+    assert choose([serial, early, nxt, ahead], budget_bytes=150)[0] is nxt
+    assert choose([serial, early, nxt, ahead], budget_bytes=10**6)[0] is ahead
+    best, why = choose([serial, nxt], budget_bytes=50)
+    assert best is serial and "none fits memory_budget (50 B)" in why
+
+
+def test_under_a_budget_the_plan_takes_the_most_overlap_that_fits(one_rank) -> None:
+    """memory_budget that the reordered plan reaches: the communication stream's candidate with the
+    most overlap whose planned peak fits the budget (here every one fits: the deepest prefetch), and
+    the step still trains bit for bit like eager FSDP2."""
+    from memplan.torch.distributed import compile_fsdp_step
+
+    batch = fc.mlp_batch(0)
+    eager = fc.shard(fc.mlp(0), 1)
+    eager_opt = fc.adamw(eager)
+    model = fc.shard(fc.mlp(0), 1)
+    opt = fc.adamw(model)
+    step = compile_fsdp_step(model, opt, fc.cross_entropy, batch, memory_budget=2**30, time_limit_seconds=0.5)
+    streams = step.report["streams"]
+    assert step.report["method"] == "reorder"
+    picked = (streams["prefetch"], streams["waits"])
+    chosen = [c for c in streams["candidates"] if (c["prefetch"], c["waits"]) == picked]
+    assert chosen[0]["overlap_ops"] == max(c["overlap_ops"] for c in streams["candidates"]) > 0
+    assert "fits memory_budget" in streams["why"]
+    run_eager = fc._eager(eager, eager_opt, fc.cross_entropy)
+    for k in range(2):
+        torch.manual_seed(7 + k)
+        ours = step(batch)
+        torch.manual_seed(7 + k)
+        theirs = run_eager(batch)
+        assert fc._diff([ours], [theirs]) == 0.0
+        assert fc._diff(fc._locals(model, opt), fc._locals(eager, eager_opt)) == 0.0

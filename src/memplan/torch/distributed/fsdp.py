@@ -42,8 +42,12 @@ exactly that dataflow on fakes, with no FSDP2 hook running:
   with FSDP2's own functions (:class:`UnitPrecision`, :func:`forward_casts`).
 
 The graph is planned by rank 0 (order) and placed by every rank for its own shard sizes (a
-rank's last shard may be smaller); the collectives run synchronously at their planned place
-in the order (a first version: no communication stream yet). What this slice does not do yet is
+rank's last shard may be smaller). The collectives run on a communication stream
+(:mod:`memplan.torch.distributed.fsdp_plan`): each launched asynchronously, its buffers held in
+the arena until its wait, which the plan places, as the prefetch depth (how many units are
+gathered ahead) and the reduce-scatters' waits, chosen among candidates by their placed peak;
+under a remat plan (``memory_budget`` that reordering does not reach) they run synchronously at
+their place. What this slice does not do yet is
 refused in one line each (:func:`read_layout`, :func:`refuse_unsupported`,
 :func:`refuse_foreign_collectives`): FSDP1's wrapper, a float16 gradient reduction (FSDP2 pre- and
 post-divides it), CPU offload, HSDP meshes,

@@ -193,9 +193,14 @@ def compare_with_fsdp2(
     time_limit_seconds: float = 2.0,
     memory_budget: int | float | str | None = None,
     mp_policy: Any = None,
+    prefetch: int | None = None,
+    trace: bool = False,
 ) -> dict[str, Any]:
     """This rank's report (every variant's units under ``mp_policy``, a ``MixedPrecisionPolicy``, if
-    given): ``diffs`` (max abs difference of loss, gathered parameters and optimizer
+    given). ``prefetch``: a variant ``memplan_prefetchD``, memplan's step with its prefetch depth
+    fixed at D (its ``prefetch_diffs`` to eager FSDP2). ``trace``: one more step of each variant
+    under the profiler (:func:`memplan.torch.distributed.timeline.profile_step`): ``trace_events``
+    and ``overlap`` by variant. ``diffs`` (max abs difference of loss, gathered parameters and optimizer
     state to eager FSDP2's, after each step), ``ckpt_diffs`` (the same to eager FSDP2 with every block
     checkpointed), ``peaks`` (measured, by variant) and the plan's claim. With ``memory_budget``, a
     fourth variant, ``memplan_budget`` (memplan's step under that budget), and its ``budget_diffs``
@@ -216,6 +221,14 @@ def compare_with_fsdp2(
         runs["memplan_budget"] = compile_fsdp_step(
             budgeted, budget_opt, loss_fn, batch, time_limit_seconds=time_limit_seconds, memory_budget=memory_budget
         )
+    fixed = None if prefetch is None else f"memplan_prefetch{prefetch}"
+    if fixed is not None:
+        prefetched = shard(build(0), dist.get_world_size(), reshard_after_forward, **_policy(mp_policy))
+        prefetch_opt = adamw(prefetched)
+        runs[fixed] = compile_fsdp_step(
+            prefetched, prefetch_opt, loss_fn, batch, time_limit_seconds=time_limit_seconds, prefetch=prefetch
+        )
+    prefetch_diffs: list[float] = []
     budget_diffs: list[float] = []
     diffs: dict[str, list[float]] = {name: [] for name in EAGER_VARIANTS}
     loss_diffs: list[float] = []
@@ -238,6 +251,11 @@ def compare_with_fsdp2(
             theirs = _locals(models[name], optimizers[name])
             diffs[name].append(max(_diff([losses["memplan"]], [losses[name]]), _diff(mine, theirs)))
         loss_diffs.append(_diff([losses["memplan"]], [losses["fsdp2"]]))
+        if fixed is not None:
+            theirs = _locals(models["fsdp2"], optimizers["fsdp2"])
+            prefetch_diffs.append(
+                max(_diff([losses[fixed]], [losses["fsdp2"]]), _diff(_locals(prefetched, prefetch_opt), theirs))
+            )
         if memory_budget is not None:
             theirs = _locals(models["fsdp2"], optimizers["fsdp2"])
             budget_diffs.append(
@@ -251,6 +269,11 @@ def compare_with_fsdp2(
     extra = (
         {} if memory_budget is None else {"budget_diffs": budget_diffs, "budget_report": runs["memplan_budget"].report}
     )
+    if fixed is not None:
+        held[fixed] = _held_bytes(prefetched, prefetch_opt) + runs[fixed].runner_for(batch).arena.numel()
+        extra |= {"prefetch_diffs": prefetch_diffs, "prefetch_report": runs[fixed].report.get("streams")}
+    if trace:
+        extra |= _traced(runs, batch, steps)
     return {
         **extra,
         "rank": dist.get_rank(),
@@ -261,10 +284,27 @@ def compare_with_fsdp2(
         "held_bytes": held | {"memplan": _held_bytes(ours, opt) + runner.arena.numel()},
         "arena_bytes": runner.arena.numel(),
         "planned_peak_bytes": step.report["planned_peak_bytes"],
+        "streams": step.report.get("streams"),
         "collectives": sum("memplan_fsdp" in str(n.target) for n in runner.capture.gm.graph.nodes),
         "collective_dtypes": collective_dtypes(runner.capture),
         "median_seconds": {n: sorted(s)[len(s) // 2] for n, s in seconds.items()},
     }
+
+
+TRACED = ("memplan", "fsdp2")  # and memplan_prefetchD where compared
+
+
+def _traced(runs: dict[str, Callable], batch: Any, step: int) -> dict[str, Any]:
+    """One more step of memplan's variants and eager FSDP2's under the profiler (every rank, in
+    turn): their events (compute thread, gloo's threads) and :func:`overlap`."""
+    from memplan.torch.distributed.timeline import overlap, profile_step
+
+    events = {}
+    for name in [n for n in runs if n in TRACED or n.startswith("memplan_prefetch")]:
+        torch.manual_seed(7 + step)
+        dist.barrier()
+        _, events[name] = profile_step(runs[name], batch)
+    return {"trace_events": events, "overlap": {name: overlap(e) for name, e in events.items()}}
 
 
 def collective_dtypes(capture: Any) -> dict[str, list[str]]:
@@ -316,7 +356,8 @@ def measure_rss(
     mp_policy: Any = None,
 ) -> dict[str, Any]:
     """This process's peak resident set during one steady step of ``variant`` ("memplan", "fsdp2",
-    "fsdp2_ckpt", or "memplan_budget": memplan's step under ``memory_budget``) alone, above ``base``
+    "fsdp2_ckpt", "memplan_budget": memplan's step under ``memory_budget``, or "memplan_prefetchD":
+    memplan's step with prefetch fixed at D) alone, above ``base``
     (the resident set after the imports and the process group, before the model exists): VmHWM,
     reset just before the step."""
     import gc
@@ -331,12 +372,19 @@ def measure_rss(
     gc.collect()
     release_free_memory()
     base = rss_bytes()
-    if variant in ("memplan", "memplan_budget"):
+    if variant.startswith("memplan"):
         model = shard(build(0), dist.get_world_size(), **_policy(mp_policy))
         optimizer = adamw(model)
         budget = memory_budget if variant == "memplan_budget" else None
+        depth = int(variant.removeprefix("memplan_prefetch")) if variant.startswith("memplan_prefetch") else None
         run = compile_fsdp_step(
-            model, optimizer, loss_fn, batch, time_limit_seconds=time_limit_seconds, memory_budget=budget
+            model,
+            optimizer,
+            loss_fn,
+            batch,
+            time_limit_seconds=time_limit_seconds,
+            memory_budget=budget,
+            prefetch=depth,
         )
     else:
         model = eager_model(build, variant, mp_policy=mp_policy)

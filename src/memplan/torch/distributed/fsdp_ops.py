@@ -22,13 +22,26 @@ left uninitialised (``new_empty``): it is gathered or reduced, and never read.
 
 The process group is passed as an index into :data:`GROUPS` (an op's schema takes no Python
 object); :func:`register_group` adds one.
+
+Asynchronous collectives (the communication stream, :mod:`memplan.torch.distributed.fsdp_plan`):
+inside ``with launching(inflight)``, the ``out=`` kernels launch their collective with
+``async_op=True`` (gloo runs it on its process group's threads) and return at once; ``inflight``
+keeps the work handle, the input and the output (so an input left to the allocator is not freed
+while gloo reads it) until the plan's wait (:meth:`Inflight.wait`). Outside, they run
+synchronously, as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch.distributed as dist
+from torch.profiler import record_function
 
 import torch
 
@@ -60,7 +73,83 @@ _LIB.define("reduce_scatter(Tensor input, int group) -> Tensor")
 _LIB.define("reduce_scatter.out(Tensor input, int group, *, Tensor(a!) out) -> Tensor(a!)", tags=torch.Tag.out)
 
 
+@dataclass
+class Launch:
+    """One asynchronous collective of a step: its work handle, the buffers gloo uses, and when
+    it was launched, done (its future completed, on gloo's thread; 0 where the work has none, as
+    gloo's reduce-scatter) and waited for (the compute thread's ``wait_start`` to ``wait_end``), in
+    ``time.perf_counter`` seconds."""
+
+    kind: str
+    work: Any
+    buffers: tuple[torch.Tensor, ...]
+    size_bytes: int
+    launched: float = 0.0
+    done: float = 0.0
+    wait_start: float = 0.0
+    wait_end: float = 0.0
+
+
+@dataclass
+class Inflight:
+    """The collectives a step launched, in launch order (index = launch number)."""
+
+    launches: list[Launch] = field(default_factory=list)
+    waited: set[int] = field(default_factory=set)
+    record_times: bool = False
+
+    def launch(self, kind: str, work: Any, inp: torch.Tensor, out: torch.Tensor) -> None:
+        size = max(inp.numel() * inp.element_size(), out.numel() * out.element_size())
+        entry = Launch(kind, work, (inp, out), size, launched=time.perf_counter() if self.record_times else 0.0)
+        if self.record_times:
+            try:
+                future = work.get_future()
+            except RuntimeError:  # gloo's reduce-scatter work has no future: ``done`` stays 0 (unknown)
+                future = None
+            if future is not None:
+                future.add_done_callback(lambda _f, e=entry: setattr(e, "done", time.perf_counter()))
+        self.launches.append(entry)
+
+    def wait(self, k: int) -> None:
+        """Wait for the ``k``-th collective launched in this step, then drop its buffers."""
+        if k >= len(self.launches) or k in self.waited:
+            raise RuntimeError(f"collective {k} is waited for before its launch or twice; the plan is broken")
+        entry = self.launches[k]
+        start = time.perf_counter()
+        with record_function(f"memplan.wait:{entry.kind}{k}"):
+            entry.work.wait()
+        if self.record_times:
+            entry.wait_start, entry.wait_end = start, time.perf_counter()
+        entry.buffers, entry.work = (), None  # the work holds gloo's staging buffer until it is dropped
+        self.waited.add(k)
+
+    def drain(self) -> int:
+        """Wait for every collective not yet waited for (a failed step); how many there were."""
+        left = [k for k in range(len(self.launches)) if k not in self.waited]
+        for k in left:
+            self.wait(k)
+        return len(left)
+
+
+_INFLIGHT: list[Inflight] = []
+
+
+@contextlib.contextmanager
+def launching(inflight: Inflight) -> Iterator[Inflight]:
+    """Within: the collectives' ``out=`` kernels launch asynchronously into ``inflight``."""
+    _INFLIGHT.append(inflight)
+    try:
+        yield inflight
+    finally:
+        _INFLIGHT.remove(inflight)
+
+
 def _all_gather_out(inp: torch.Tensor, group: int, *, out: torch.Tensor) -> torch.Tensor:
+    if _INFLIGHT:
+        with record_function("memplan.launch:all_gather"):
+            work = dist.all_gather_single(out, inp, group=GROUPS[group], async_op=True)
+        _INFLIGHT[-1].launch("all_gather", work, inp, out)
+        return out
     dist.all_gather_single(out, inp, group=GROUPS[group])
     return out
 
@@ -70,6 +159,11 @@ def _all_gather(inp: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def _reduce_scatter_out(inp: torch.Tensor, group: int, *, out: torch.Tensor) -> torch.Tensor:
+    if _INFLIGHT:
+        with record_function("memplan.launch:reduce_scatter"):
+            work = dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.AVG, group=GROUPS[group], async_op=True)
+        _INFLIGHT[-1].launch("reduce_scatter", work, inp, out)
+        return out
     dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.AVG, group=GROUPS[group])
     return out
 

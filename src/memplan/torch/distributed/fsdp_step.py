@@ -4,8 +4,13 @@ Every rank captures the step of its shard model; the captures must have the same
 (checked). Rank 0 orders the ops (solvers are not deterministic under time limits, and every
 rank must run the collectives in the same order) and broadcasts the order; each rank places
 its own tensors for that order (its shards may be smaller than rank 0's) and runs the plan on
-its own arena with memplan's runtime (:class:`memplan.torch.run.interpreter.StepRunner`), whose
-all-gathers and reduce-scatters call gloo at their planned place.
+its own arena with memplan's runtime (:class:`memplan.torch.run.interpreter.StepRunner`). With
+``streams`` (the default), rank 0 also makes the step a two-stream plan and picks its prefetch
+depth and wait policy (:func:`memplan.torch.distributed.fsdp_plan.choose_streams`), every rank
+places that order safely for every interleaving of the two streams, and
+:class:`memplan.torch.distributed.fsdp_runner.FsdpStreamRunner` launches each all-gather and
+reduce-scatter asynchronously and waits for it where the plan says; without, each collective
+calls gloo synchronously at its planned place.
 
 ``memory_budget`` (remat on top of sharding): rank 0 also solves the cheapest recomputation within
 the budget with the remat portfolio (:func:`memplan.remat.portfolio.solve_remat_in_order`, its stages
@@ -38,6 +43,15 @@ from memplan.torch.distributed.fsdp import (
     structure_fingerprint,
     twin_optimizer,
 )
+from memplan.torch.distributed.fsdp_plan import (
+    PREFETCH_DEPTHS,
+    choose_streams,
+    movable_ops,
+    staging_tensors,
+    stream_step,
+)
+from memplan.torch.distributed.fsdp_plan import place as place_streams
+from memplan.torch.distributed.fsdp_runner import FsdpStreamRunner
 from memplan.torch.distributed.step import require_process_group
 from memplan.torch.rss import release_free_memory
 from memplan.torch.run.interpreter import Plan, StepRunner, allocator_tensors, optimizer_update_groups
@@ -57,8 +71,17 @@ class FsdpStep:
         reorder: bool = True,
         recompute_copies: bool = True,
         memory_budget: int | float | str | None = None,
+        streams: bool = True,
+        prefetch: int | None = None,
+        record_times: bool = False,
     ) -> None:
         require_process_group()
+        if prefetch is not None and not streams:
+            raise MemplanError("prefetch needs the communication stream: drop prefetch= or streams=False")
+        if prefetch is not None and prefetch not in PREFETCH_DEPTHS:
+            raise MemplanError(
+                f"prefetch must be one of {PREFETCH_DEPTHS} or None (the plan decides), not {prefetch!r}"
+            )
         if memory_budget is not None:
             check_fsdp_budget(memory_budget)
         self.memory_budget = memory_budget
@@ -71,6 +94,9 @@ class FsdpStep:
         self.time_limit_seconds = time_limit_seconds
         self.reorder = reorder
         self.recompute_copies = recompute_copies
+        self.streams = streams
+        self.prefetch = prefetch
+        self.record_times = record_times
         self.shards = shard_model(model, self.layout)
         self.twin = twin_optimizer(optimizer, self.shards, self.layout)
         self.process_group = self.layout.group
@@ -96,8 +122,21 @@ class FsdpStep:
             plan, report = self._shared_plan(capture)
             self.reports[key] = report
             steps = report.pop("remat_steps", None)
+            stream_plan = report.pop("stream_plan", None)
             if steps is not None:
                 self.runners[key] = RematRunner(capture, steps, self.shards, self.twin)
+            elif stream_plan is not None:
+                step_graph, order = stream_plan
+                self.runners[key] = FsdpStreamRunner(
+                    capture,
+                    step_graph,
+                    order,
+                    plan.offsets,
+                    plan.arena_bytes,
+                    self.shards,
+                    self.twin,
+                    record_times=self.record_times,
+                )
             else:
                 self.runners[key] = StepRunner(capture, plan, self.shards, [self.twin])
             release_free_memory()
@@ -138,13 +177,19 @@ class FsdpStep:
                         **report,
                         **solve_fsdp_budget(capture, plan.order, self.memory_budget, self.time_limit_seconds),
                     }
-                box[0] = (list(plan.order), report)
+                stream_order = None
+                if self.streams and report.get("remat_steps") is None:
+                    choice = self._choose_streams(capture, plan.order, exclude, report.get("budget_bytes"))
+                    report, stream_order = {**report, "streams": choice.report()}, list(choice.chosen.order)
+                box[0] = (list(plan.order), report, stream_order)
             except MemplanError as err:
                 box[0] = err
         dist.broadcast_object_list(box, group=self.process_group, group_src=0)
         if isinstance(box[0], MemplanError):
             raise type(box[0])(f"rank 0 could not plan the step: {box[0]}")
-        order, report = box[0]
+        order, report, stream_order = box[0]
+        if stream_order is not None:
+            return self._place_streams(capture, order, stream_order, report, exclude)
         offsets, placement = place_order(capture.graph, order, self.time_limit_seconds, exclude)
         report = {**report, "rank": self.rank, "arena_bytes": placement.arena_bytes}
         report["allocator_peak_bytes"] = _resident_peak(capture.graph, order, exclude)
@@ -152,6 +197,31 @@ class FsdpStep:
             capture.graph.persistent_bytes + placement.arena_bytes + report["allocator_peak_bytes"]
         )
         return Plan(tuple(order), offsets, placement.arena_bytes), report
+
+    def _choose_streams(self, capture: Capture, order: Sequence[int], exclude: set, budget: int | None) -> Any:
+        """Rank 0: the two-stream order (prefetch depth, wait policy) for ``order``, decided in a
+        forked child (:func:`memplan.torch.distributed.fsdp_plan.choose_streams`)."""
+        from memplan.isolate import in_child
+
+        unit_of_param = {p.name: k for k, u in enumerate(self.layout.units) for p in u.params}
+        groups = optimizer_update_groups(capture)
+        args = (capture.graph, list(order), unit_of_param, groups, movable_ops(capture), exclude)
+        return in_child(choose_streams, *args, self.time_limit_seconds, budget, self.prefetch)
+
+    def _place_streams(
+        self, capture: Capture, order: list[int], stream_order: list[int], report: dict[str, Any], exclude: set
+    ) -> tuple[Plan, dict[str, Any]]:
+        """Every rank: its own offsets for rank 0's two-stream order, safe in every execution."""
+        from memplan.pipeline import _resident_peak
+
+        step_graph = stream_step(capture.graph)
+        offsets, arena_bytes, checked = place_streams(step_graph, stream_order, exclude, self.time_limit_seconds)
+        report = {**report, "rank": self.rank, "arena_bytes": arena_bytes, "stream_placement": checked}
+        outside = frozenset(exclude) | staging_tensors(step_graph)
+        report["allocator_peak_bytes"] = _resident_peak(step_graph, stream_order, outside)
+        report["planned_peak_bytes"] = step_graph.persistent_bytes + arena_bytes + report["allocator_peak_bytes"]
+        report["stream_plan"] = (step_graph, tuple(stream_order))
+        return Plan(tuple(order), offsets, arena_bytes), report
 
 
 def check_fsdp_budget(memory_budget: int | float | str) -> None:
@@ -251,12 +321,19 @@ def compile_fsdp_step(
     reorder: bool = True,
     recompute_copies: bool = True,
     memory_budget: int | float | str | None = None,
+    streams: bool = True,
+    prefetch: int | None = None,
+    record_times: bool = False,
 ) -> FsdpStep:
     """Plan one rank's FSDP2 training step ``loss = loss_fn(model(inputs), target);
     loss.backward(); optimizer.step(); optimizer.zero_grad()`` and return it as a callable
     ``step(batch)``; every rank of the model's mesh must call this together. ``memory_budget``
     (bytes, ``"2GiB"``, or a fraction of the checkpoint-all peak): recompute activations (and
-    gather units again) where the reordered plan does not fit (module docstring)."""
+    gather units again) where the reordered plan does not fit (module docstring). ``streams``:
+    the collectives asynchronous on a communication stream, their waits and the prefetch depth
+    planned (:mod:`memplan.torch.distributed.fsdp_plan`; False: each runs synchronously at its
+    place); ``prefetch``: a fixed depth (0, 1, 2) instead of the plan's choice; ``record_times``:
+    keep each collective's launch, done and wait times of the latest step."""
     step = FsdpStep(
         model,
         optimizer,
@@ -265,6 +342,9 @@ def compile_fsdp_step(
         reorder=reorder,
         recompute_copies=recompute_copies,
         memory_budget=memory_budget,
+        streams=streams,
+        prefetch=prefetch,
+        record_times=record_times,
     )
     step.runner_for(example_batch)
     return step

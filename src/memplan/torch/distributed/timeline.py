@@ -84,13 +84,14 @@ def _length(intervals: Sequence[tuple[float, float]]) -> float:
 
 def overlap(events: Sequence[dict[str, Any]]) -> dict[str, float]:
     """How much of the time some all-reduce ran the compute thread was computing (an op that is
-    not one of memplan's waits): ``comm_us``, ``overlapped_us``, ``fraction``, ``step_us``."""
+    not one of memplan's waits, nor an FSDP2 collective's launch, ``memplan.launch:*``: the call
+    that hands it to gloo): ``comm_us``, ``overlapped_us``, ``fraction``, ``step_us``."""
     comm = _union([(e["start_us"], e["start_us"] + e["dur_us"]) for e in events if e["lane"] == COMM])
     busy = _union(
         [
             (e["start_us"], e["start_us"] + e["dur_us"])
             for e in events
-            if e["lane"] == COMPUTE and not e["name"].startswith("memplan.wait")
+            if e["lane"] == COMPUTE and not e["name"].startswith(("memplan.wait", "memplan.launch"))
         ]
     )
     both = 0.0
