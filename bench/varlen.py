@@ -280,18 +280,20 @@ def report(args: argparse.Namespace, lengths: list[int], eager: dict, planned: d
 
 REUSE_NOTE = (
     "RSS is the whole process: interpreter, torch's libraries, model, AdamW state, and for memplan its kept "
-    "captures and plans and the one shared arena. Issue 37: every new length is still traced (its own program, so "
-    "a branch on the length is caught), but once a kept capture shows the steady state (AdamW's state exists) it "
-    "stands for the untraced run: one fake run of the step, not two (the fake runs column; its literals are checked "
-    "against that capture's, else it is captured in full). A length whose program is the kept plan's with no larger "
-    "tensors reuses that plan's order and placement, validated for it, instead of being planned again "
-    "(`memplan.torch.run.shapes`); its first step runs under the light self-check when that program passed the "
-    "full one. The step that creates AdamW's state gives the arena's dead pages back before the optimizer's call "
-    "(`memplan.torch.run.first_state`), so it does not hold them on top of the new state. With arena views a "
+    "captures and plans and the one shared arena. Issue 37: with `dynamic=`, the step is captured once more at the "
+    "declared largest length with that length a symbol (`memplan.torch.capture.symbolic`: a FakeTensorMode with a "
+    "ShapeEnv), related node by node to the concrete capture there; a new length whose guards hold (the checked "
+    "column: `guards`) gets its program from it, every size and length-dependent argument evaluated at that length, "
+    "without tracing (fake runs 0), and reuses the largest plan's order and placement, validated for it "
+    "(`memplan.torch.run.shapes`). Where a guard fails (a Python branch on the length) or the symbolic capture "
+    "could not be made, the length is traced as before (`traced` and why): once a kept capture shows the steady "
+    "state (AdamW's state exists) it stands for the untraced run, one fake run instead of two. Its first step runs "
+    "under the light self-check when that program passed the full one. The step that creates AdamW's state gives "
+    "the arena's dead pages back before the optimizer's call (`memplan.torch.run.first_state`). With arena views a "
     "reused length runs planned from its first visit; with the planned allocator its first visit (or two) runs on "
     "the ordinary allocator and is recorded, then served at the kept plan's offsets. Seconds include "
-    "compile_step's first plan (in step 0). Timings on a shared 2-core machine are noisy (the load average row): "
-    "the CPU seconds are the steadier ratio; rerun on a quiet machine."
+    "compile_step's first plan and the symbolic capture (in step 0). Timings on a shared 2-core machine are noisy "
+    "(the load average row): the CPU seconds are the steadier ratio; rerun on a quiet machine."
 )
 
 
@@ -326,9 +328,20 @@ def _shape_rows(log: list[dict]) -> list[str]:
         lines.append("|---|---|---|")
         lines += [f"| {r['shape']} | {r['plan']} | {r['seconds']:.2f} |" for r in log]
         return lines
-    lines = ["", "Which plan each new shape used (capture and planning seconds; fake runs of the step in its capture):"]
-    lines += ["", "| shape | plan | fake runs | s |", "|---|---|---|---|"]
-    lines += [f"| {r['shape']} | {r['plan']} | {r.get('fake_runs', '-')} | {r['seconds']:.2f} |" for r in log]
+    if not any("checked" in r for r in log):
+        lines = ["", "Which plan each new shape used (capture and planning seconds; fake runs of the step in its "]
+        lines[-1] += "capture):"
+        lines += ["", "| shape | plan | fake runs | s |", "|---|---|---|---|"]
+        lines += [f"| {r['shape']} | {r['plan']} | {r.get('fake_runs', '-')} | {r['seconds']:.2f} |" for r in log]
+        return lines
+    lines = ["", "Which plan each new shape used, how its program was checked (issue 37: `guards`: the symbolic "]
+    lines[-1] += "capture's guards evaluated at its length, no trace; `traced` and why), capture and planning "
+    lines[-1] += "seconds, fake runs of the step:"
+    lines += ["", "| shape | plan | checked | fake runs | s |", "|---|---|---|---|---|"]
+    lines += [
+        f"| {r['shape']} | {r['plan']} | {r.get('checked', '-')} | {r.get('fake_runs', '-')} | {r['seconds']:.2f} |"
+        for r in log
+    ]
     return lines
 
 

@@ -39,8 +39,9 @@ from torch.utils import _pytree as pytree
 import torch
 from memplan.errors import MemplanError
 from memplan.isolate import in_child
-from memplan.pipeline import MemoryPlan, make_plan
+from memplan.pipeline import COMPILE_REORDER_GAP, MemoryPlan, make_plan
 from memplan.torch.capture import Capture, capture_infer_step, capture_step
+from memplan.torch.capture.symbolic import NotSymbolic, SymbolicStep, state_meta, trace_symbolic
 from memplan.torch.capture.trace import standard_step
 from memplan.torch.capture.wrappers import refuse_unplanned_wrappers
 from memplan.torch.rss import release_free_memory
@@ -71,6 +72,7 @@ def plan_step(
     reorder: bool = True,
     allocator: str = "views",
     recompute_copies: bool = True,
+    reorder_gap: float = COMPILE_REORDER_GAP,
 ) -> tuple[Capture, MemoryPlan]:
     """Capture and plan one step ``fn(batch)``; returns the capture and the plan (with its
     report). ``fn=None`` with no optimizer plans inference: ``with torch.no_grad(): model(batch)``.
@@ -90,7 +92,12 @@ def plan_step(
         recompute_copies=recompute_copies,
     )
     return capture, plan_capture(
-        capture, model, time_limit_seconds=time_limit_seconds, reorder=reorder, allocator=allocator
+        capture,
+        model,
+        time_limit_seconds=time_limit_seconds,
+        reorder=reorder,
+        allocator=allocator,
+        reorder_gap=reorder_gap,
     )
 
 
@@ -104,9 +111,12 @@ def capture_for(
     schedulers: Sequence[Any] = (),
     recompute_copies: bool = True,
     like: Capture | None = None,
+    steady: StepCache | None = None,
 ) -> Capture:
     """The capture of :func:`plan_step` (``fn=None``: inference), not planned; ``like``: a
-    capture of this step at another shape (one fake run where it holds, :func:`capture_step`)."""
+    capture of this step at another shape (one fake run where it holds, :func:`capture_step`);
+    ``steady``: the plan cache, whose record of an earlier process's capture lets a restarted
+    one trace its step once (:mod:`memplan.torch.capture.steady`)."""
     if fn is None:
         return capture_infer_step(model, batch)
     check_optimizers(optimizers, model)
@@ -119,6 +129,7 @@ def capture_for(
         schedulers=schedulers,
         recompute_copies=recompute_copies,
         like=like,
+        steady=steady,
     )
 
 
@@ -131,10 +142,12 @@ def plan_capture(
     allocator: str = "views",
     plan_cache: StepCache | None = None,
     cache_options: dict[str, Any] | None = None,
+    reorder_gap: float = COMPILE_REORDER_GAP,
 ) -> MemoryPlan:
     """The plan of :func:`plan_step` for a capture: order and placement, solved in a child;
     with ``plan_cache`` (:mod:`memplan.torch.run.plancache`) a valid plan stored for this very
-    step is used instead (``cache_options``: what else its key holds)."""
+    step is used instead (``cache_options``: what else its key holds). ``reorder_gap``: the
+    reorder stops once its order is within that fraction of a proven bound (0: prove it)."""
     groups = optimizer_update_groups(capture) if capture.mode == "train" else []
     exclude = allocator_tensors(capture) if allocator == "views" else frozenset()
     alignment = alignment_for(model_device(model))
@@ -148,12 +161,14 @@ def plan_capture(
             atomic_groups=groups,
             allocator_tensors=exclude,
             alignment_bytes=alignment,
+            reorder_gap=reorder_gap,
         )
 
     if plan_cache is None:
         plan = make()
     else:
         options = {"time_limit_seconds": time_limit_seconds, "reorder": reorder, "allocator": allocator}
+        options["reorder_gap"] = reorder_gap
         options |= {"device": str(model_device(model)), **(cache_options or {})}
         plan = plan_cache.plan(capture, options, make, groups, exclude, alignment)
     plan.report["recomputed_copies"] = list(capture.recomputed)
@@ -190,6 +205,13 @@ def optimize(
 
 
 ALLOCATORS = ("auto", "replay", "views")
+
+
+def check_reorder_gap(gap: float) -> float:
+    """``gap`` if it is a relative gap limit (0 <= gap < 1), else a one-line error."""
+    if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not 0 <= gap < 1:
+        raise MemplanError(f"reorder_gap must be a fraction in [0, 1) (0.005 = 0.5%, 0 proves), not {gap!r}")
+    return float(gap)
 
 
 def resolve_allocator(name: str) -> str:
@@ -262,6 +284,7 @@ class CompiledStep:
         max_plans: int = DEFAULT_MAX_PLANS,
         dynamic: dict[int, int] | None = None,
         plan_cache: bool | str | os.PathLike | None = None,
+        reorder_gap: float = COMPILE_REORDER_GAP,
     ) -> None:
         refuse_unplanned_wrappers(model)  # FSDP, DDP, torch.compile: refused by name, before anything else
         self.executor = executor
@@ -285,6 +308,7 @@ class CompiledStep:
         self.schedulers = list(schedulers)
         self.time_limit_seconds = time_limit_seconds
         self.reorder = reorder
+        self.reorder_gap = check_reorder_gap(reorder_gap)
         self.recompute_copies = recompute_copies
         self.memory_budget = memory_budget
         self.max_overhead = max_overhead
@@ -307,6 +331,10 @@ class CompiledStep:
         # ({dimension: largest size}) plans the largest declared shape first
         self.dynamic = check_dynamic(dynamic) if dynamic is not None else None
         self._templates: list[Template] = []
+        # issue 37: the declared largest shape's step captured with a symbolic length (or why it
+        # could not be), by template key: a new length is checked by its guards, not traced
+        self._symbolic: dict[tuple, SymbolicStep | str] = {}
+        self._quiet = False  # the latest new shape was neither traced nor solved: nothing to give back
         self._matched: Template | None = None  # the template the latest new shape's program matched
         self._checked: set[tuple] = set()  # templates whose program ran a full self-check
         self._first_checks: dict[int, tuple[Any, tuple]] = {}  # runner -> (runner, template key)
@@ -418,7 +446,8 @@ class CompiledStep:
             self._check_once_per_program(runner)
             self._kept.put(key, (runner, plan))  # the evicted plans are dropped here
             self._fit_arena()
-            release_free_memory()  # what capture and the solvers freed goes back to the OS
+            if not self._quiet:
+                release_free_memory()  # what capture and the solvers freed goes back to the OS
             self.planning_seconds += time.perf_counter() - start
             account_first_steps(runner, plan, time.perf_counter() - start, capture.capture_seconds)
             kept = self._kept[key]
@@ -434,6 +463,7 @@ class CompiledStep:
             schedulers=self.schedulers,
             recompute_copies=self.recompute_copies,
             like=like,
+            steady=self.plan_cache,
         )
 
     def _solve(self, capture: Capture, key: tuple) -> MemoryPlan:
@@ -443,6 +473,7 @@ class CompiledStep:
             self.model,
             time_limit_seconds=self.time_limit_seconds,
             reorder=self.reorder,
+            reorder_gap=self.reorder_gap,
             allocator=self.allocator,
             plan_cache=self.plan_cache,
             cache_options={"recompute_copies": self.recompute_copies, "executor": self.executor, "key": key},
@@ -461,6 +492,7 @@ class CompiledStep:
         :mod:`memplan.torch.run.shapes`), else plan it (first planning the declared largest shape
         when ``dynamic`` was given and no template of this mode exists)."""
         start = time.perf_counter()
+        self._quiet = False
         budgeted = self.memory_budget is not None or self.max_overhead is not None
         if self.dynamic is not None and not budgeted and not any(t.key[1] == key[1] for t in self._templates):
             largest = largest_batch(batch, self.dynamic)
@@ -470,9 +502,15 @@ class CompiledStep:
         if same is not None and not budgeted:  # planned already (the declared largest shape): its capture holds
             self._matched = same
             self.plans_reused += 1
-            self._log(key, "the plan made for it", start)
+            self._log(key, "the plan made for it", start, "traced: the declared largest shape")
             return same.capture, same.plan
         templates = [] if budgeted else [t for t in reversed(self._templates) if t.key[1] == key[1]]
+        checked = None
+        if templates and self.dynamic is not None:
+            found = self._by_guards(batch, key, start)
+            if not isinstance(found, str):
+                return found
+            checked = f"traced: {found}"
         # a kept template's capture stands for the untraced run (one fake run); a program it
         # does not give a plan for is captured again in full before it is planned (issue 37)
         for like in [templates[0].capture, None] if templates else [None]:
@@ -481,7 +519,7 @@ class CompiledStep:
             if not isinstance(found, list):
                 self._matched, reused = found
                 self.plans_reused += 1
-                self._log(key, f"reused the plan of {_shape_text(self._matched.key)}", start)
+                self._log(key, f"reused the plan of {_shape_text(self._matched.key)}", start, checked)
                 self.shape_log[-1]["fake_runs"] = capture.fake_runs
                 return capture, reused
             if capture.fake_runs > 1:
@@ -490,8 +528,55 @@ class CompiledStep:
         plan = self._solve(capture, key)
         self._matched = next((t for t in self._templates if t.capture is capture), None)
         why = "a memory budget" if budgeted else reasons[0] if reasons else "no plan of this mode yet"
-        self._log(key, f"planned ({why})", start)
+        self._log(key, f"planned ({why})", start, checked)
         return capture, plan
+
+    def _by_guards(self, batch: Any, key: tuple, start: float) -> tuple[Capture, MemoryPlan] | str:
+        """This shape's capture made, without tracing, from the declared largest shape's step
+        captured with a symbolic length, when that capture's guards hold here
+        (:mod:`memplan.torch.capture.symbolic`), with the largest plan reused for it; else why
+        not (then the shape is traced). The symbolic capture is made on the first call that needs it
+        once the optimizers' state exists (one fake run instead of two: the first step stays short)."""
+        largest = largest_batch(batch, self.dynamic)
+        if largest is None:
+            return "larger than the declared largest shape"
+        template_key = (shape_key(largest), key[1])
+        template = next((t for t in self._templates if t.key == template_key), None)
+        if template is None:
+            return "the declared largest shape has no plan of this mode"
+        step = self._symbolic.get(template_key)
+        traced = step is None
+        if step is None and state_meta(self.model, self.optimizers) != template.capture.optimizer_state_meta:
+            return "the symbolic capture waits for the optimizers' state (the first step makes it)"
+        if step is None:
+            try:
+                step = trace_symbolic(
+                    self.fn,
+                    largest,
+                    self.dynamic,
+                    template.capture,
+                    model=self.model,
+                    optimizers=self.optimizers,
+                    scaler=self.scaler,
+                    schedulers=self.schedulers,
+                )
+            except NotSymbolic as err:
+                step = str(err)
+            self._symbolic[template_key] = step
+        if isinstance(step, str):
+            return f"no symbolic capture ({step})"
+        capture = step.instantiate(batch, self.model, self.optimizers)
+        if isinstance(capture, str):
+            return capture
+        reused = reuse_plan(template, capture, self._reuse_terms(capture)[0])
+        if isinstance(reused, str):
+            return reused
+        self._quiet = not traced  # nothing traced or solved: no heap to give back
+        self._matched = template
+        self.plans_reused += 1
+        self._log(key, f"reused the plan of {_shape_text(template.key)}", start, "guards")
+        self.shape_log[-1]["fake_runs"] = 0
+        return capture, reused
 
     def _add_template(self, template: Template) -> None:
         """Keep ``template``; drop the templates it covers (same program, no larger tensors)."""
@@ -503,6 +588,8 @@ class CompiledStep:
         ]
         self._templates.append(template)
         del self._templates[: -self.max_plans]
+        kept = {t.key for t in self._templates}
+        self._symbolic = {k: v for k, v in self._symbolic.items() if k in kept}
 
     def _check_once_per_program(self, runner: StepRunner | ReplayedStep) -> None:
         """The full self-check (writes and random draws observed) once per program: a shape that
@@ -523,8 +610,11 @@ class CompiledStep:
         steps = [r for r in steps if isinstance(r, ReplayedStep)]
         return sorted((r for r in steps if r.plan is not None), key=lambda r: -r.plan.arena_bytes)
 
-    def _log(self, key: tuple, how: str, start: float) -> None:
-        self.shape_log.append({"shape": _shape_text(key), "plan": how, "seconds": time.perf_counter() - start})
+    def _log(self, key: tuple, how: str, start: float, checked: str | None = None) -> None:
+        entry = {"shape": _shape_text(key), "plan": how, "seconds": time.perf_counter() - start}
+        if self.dynamic is not None:  # issue 37: how the shape was checked against the kept program
+            entry["checked"] = checked or "traced"
+        self.shape_log.append(entry)
 
     def _fall_back_to_views(self, reason: str) -> None:
         """Give the planned allocator up (the step that found why ran on the ordinary allocator
@@ -532,6 +622,7 @@ class CompiledStep:
         self.allocator, self.allocator_reason, self._native = "views", f"{reason}; arena views from now on", None
         self._kept = LruCache(self.max_plans)
         self._templates = []  # made for the planned allocator: other tensors in the arena
+        self._symbolic = {}
         self.arena.release()
 
     def _needed_arena_bytes(self) -> int:
@@ -683,6 +774,7 @@ def compile(  # the name PyTorch users know (torch.compile)
     max_plans: int = DEFAULT_MAX_PLANS,
     dynamic: dict[int, int] | None = None,
     plan_cache: bool | str | os.PathLike | None = None,
+    reorder_gap: float = COMPILE_REORDER_GAP,
 ) -> CompiledStep | Callable[[StepFn], CompiledStep]:
     """Plan the whole step ``fn(batch)`` the user wrote: forward(s), ``backward()``, gradient
     clipping, gradient accumulation over micro-batches, autocast, ``optimizer.step()``,
@@ -728,6 +820,11 @@ def compile(  # the name PyTorch users know (torch.compile)
     validated on load and a replayed step is checked allocation by allocation; a stale or
     corrupt entry is ignored with a warning and rewritten. ``report["first_steps"]`` says which
     plan each shape used and what its first steps cost. Not under a memory budget.
+
+    ``reorder_gap`` (default 0.005) stops the reorder's solvers once their order's peak is
+    within that fraction of a proven lower bound (the MIP solvers' relative gap), instead of
+    spending the time limit to prove the last bytes; ``reorder_gap=0`` proves the order optimal
+    (or runs to ``time_limit_seconds``). The report's ``schedule`` says its status and gap.
     """
     optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     schedulers = list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler] if scheduler else []
@@ -752,6 +849,7 @@ def compile(  # the name PyTorch users know (torch.compile)
             max_plans=max_plans,
             dynamic=dynamic,
             plan_cache=plan_cache,
+            reorder_gap=reorder_gap,
         )
 
     return build if fn is None else build(fn)
@@ -772,6 +870,7 @@ def compile_step(
     max_plans: int = DEFAULT_MAX_PLANS,
     dynamic: dict[int, int] | None = None,
     plan_cache: bool | str | os.PathLike | None = None,
+    reorder_gap: float = COMPILE_REORDER_GAP,
 ) -> CompiledStep | FsdpStep:
     """Plan ``loss = loss_fn(model(inputs), target); loss.backward(); optimizer.step();
     optimizer.zero_grad(set_to_none=True)`` for ``example_batch = (inputs, target)`` and return
@@ -797,6 +896,7 @@ def compile_step(
                 "max_overhead": max_overhead is not None,
                 "dynamic": dynamic is not None,
                 "plan_cache": bool(plan_cache),
+                "reorder_gap": reorder_gap != COMPILE_REORDER_GAP,
             },
         )
     step = CompiledStep.of_loss(
@@ -812,6 +912,7 @@ def compile_step(
         max_plans=max_plans,
         dynamic=dynamic,
         plan_cache=plan_cache,
+        reorder_gap=reorder_gap,
     )
     step.runner_for(example_batch)
     return step

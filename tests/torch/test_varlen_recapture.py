@@ -1,13 +1,16 @@
-"""Issue 37: a new length costs one fake run of the step, and the step that creates the
-optimizer's state stays within eager's peak.
+"""Issue 37: a new length costs no trace where the symbolic capture's guards hold for it, else
+one fake run of the step, and the step that creates the optimizer's state stays within eager's
+peak.
 
-A new length is traced once (no untraced run) when a kept capture at another length shows the
-steady state; the traced program is still the new length's own, so a Python branch on the length
-is never served another length's program: a branch that changes the ops is planned on its own,
-one that changes only a constant reuses the order and placement but runs its own program, and
-both train bit for bit as eager does. A literal that depends on the length sends the capture
-back to the full form. On the step that creates AdamW's state, the arena's dead pages are given
-back before the optimizer's call."""
+With ``dynamic=``, a new length whose guards hold (``memplan.torch.capture.symbolic``) gets its
+program from the symbolic capture, without tracing; where a guard fails (a Python branch on the
+length), it is traced once (no untraced run) when a kept capture at another length shows the
+steady state. The traced program is the new length's own, so a branch on the length is never
+served another length's program: a branch that changes the ops is planned on its own, one that
+changes only a constant reuses the order and placement but runs its own program, and both train
+bit for bit as eager does. A literal that depends on the length sends the capture back to the
+full form. On the step that creates AdamW's state, the arena's dead pages are given back before
+the optimizer's call."""
 
 from __future__ import annotations
 
@@ -92,7 +95,10 @@ def test_a_new_length_is_traced_once_and_reuses_the_plan_bit_identical():
     log = _log(step)
     assert step.plans_made == 1
     assert log["2x5"]["fake_runs"] == 2  # captured before the first step: AdamW has no state yet
-    assert log["2x12"]["fake_runs"] == 1 and log["2x7"]["fake_runs"] == 1
+    assert log["2x5"]["checked"].startswith("traced: the symbolic capture waits")  # for AdamW's state
+    assert log["2x12"]["checked"] == "guards" and log["2x12"]["fake_runs"] == 0  # 16's program holds: no trace
+    assert log["2x7"]["checked"].startswith("traced: length 7 lies outside [9, 16]")  # the branch n > 8
+    assert log["2x7"]["fake_runs"] == 1
     assert all(entry["plan"] == "reused the plan of 2x16 2x16" for entry in log.values())
     like = step._templates[-1].capture
     assert steady_like(like, model, [opt])  # the state the captured step leaves, now real
@@ -105,13 +111,14 @@ def test_a_branch_on_the_length_is_never_served_another_lengths_program():
     log = _log(op_step)
     assert op_step.plans_made == 2  # 16 (tanh) and 5 (no tanh): other ops, planned on its own
     assert log["2x5"]["plan"].startswith("planned (")
-    assert log["2x12"]["plan"] == "reused the plan of 2x16 2x16" and log["2x12"]["fake_runs"] == 1
+    assert log["2x12"]["plan"] == "reused the plan of 2x16 2x16" and log["2x12"]["checked"] == "guards"
 
 
 @pytest.mark.slow
 def test_a_literal_made_from_the_length_falls_back_to_the_full_capture():
     step, _, _ = _train([5, 12], branch="literal")
     assert _log(step)["2x12"]["fake_runs"] == 2  # its literal differs from 16's: the untraced run decides
+    assert _log(step)["2x12"]["checked"].startswith("traced: the step computes a float from the length")
     assert step.plans_made == 1
 
 

@@ -31,6 +31,15 @@ from memplan.schedule import ScheduleResult, optimize_order
 
 TimeLimit = Annotated[float, typer.Option("--time-limit", min=0.01, help="Seconds the exact solver may run.")]
 MethodOption = Annotated[str, typer.Option("--method", help="auto | ilp | heuristic")]
+GapOption = Annotated[
+    float,
+    typer.Option(
+        "--gap",
+        min=0.0,
+        max=0.99,
+        help="Stop once the order is within this fraction of a proven lower bound (0.005 = 0.5%; 0: prove it).",
+    ),
+]
 AlignmentOption = Annotated[
     int,
     typer.Option(
@@ -115,6 +124,7 @@ def optimize(
     optimizer: OptimizerOption = OptimizerName.sgd,
     time_limit: TimeLimit = 30.0,
     method: MethodOption = "auto",
+    gap: GapOption = 0.0,
     json_path: JsonOut = None,
     log_solver: Annotated[
         bool, typer.Option("--progress/--no-progress", help="Log every better order the exact solver finds.")
@@ -129,7 +139,9 @@ def optimize(
     graph = load_source_with_progress(source, batch_size=batch_size, mode=mode.value, optimizer=optimizer.value)
     log = log_solver and not quiet
     with progress("reordering") if not log else contextlib.nullcontext():
-        result = optimize_order(graph, time_limit_seconds=time_limit, method=method, progress=log)
+        result = optimize_order(
+            graph, time_limit_seconds=time_limit, method=method, progress=log, relative_gap_limit=gap
+        )
     report = optimize_report(graph, result)
     out = console()
     if is_multi_stream(graph):  # one order's lifetimes do not say what may share: place by safe pairs

@@ -39,6 +39,7 @@ def optimize_order(
     progress: bool = False,
     *,
     workers: int = 2,
+    relative_gap_limit: float = 0.0,
 ) -> ScheduleResult:
     """The best order found for ``graph``: "heuristic" runs the portfolio only; "ilp" and
     "auto" then run the exact search over ideals (:mod:`memplan.schedule.ideals`: a cap
@@ -46,13 +47,16 @@ def optimize_order(
     most training steps), the cut and ordering bounds (:mod:`memplan.schedule.bounds`) where a
     gap is left, the search again from a raised bound, and the CP-SAT model (OLLA eq. 14)
     warm-started from the best order with the time left ("auto" falls back to the portfolio on
-    graphs too large for the model)."""
+    graphs too large for the model). ``relative_gap_limit`` (e.g. 0.005) stops as soon as the
+    best order is within that fraction of a proven lower bound (status "feasible", its gap
+    reported); 0 proves to the end or to the time limit."""
     problem = ScheduleProblem(
         graph,
         time_limit_seconds=time_limit_seconds,
         method=method,  # type: ignore[arg-type]
         progress=progress,
         workers=workers,
+        relative_gap_limit=relative_gap_limit,
     )
     return solve(problem)
 

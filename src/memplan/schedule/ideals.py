@@ -33,6 +33,7 @@ from typing import Any
 
 from memplan.graph.ir import Category, Graph, OpId
 from memplan.graph.liveness import memory_timeline, peak_bytes
+from memplan.schedule.problem import gap_met
 
 # Dead ideals are remembered up to this many bits of bitsets in all (beyond, the search goes on
 # without remembering more: slower, never wrong).
@@ -323,6 +324,10 @@ def minimise_peak(
     ig: IdealGraph | None = None,
     parts: Sequence[tuple[int, int, Sequence[int]]] | None = None,
     engine: str = "auto",
+    *,
+    stop_gap: float = 0.0,
+    first_share: float = FIRST_PROBE_SHARE,
+    max_probes: int | None = None,
 ) -> PeakSearch:
     """Bisect the cap between ``lower_bytes`` (a proven bound) and the peak of ``start_order``
     minus one: a probe that finds an order moves the top down to its peak minus one, one that
@@ -333,7 +338,12 @@ def minimise_peak(
     A probe searches only the segments (``parts``: ``(first, last, ops)`` timestep ranges no
     op crosses, :func:`memplan.schedule.ilp.segments`; the whole graph by default) whose peak
     in the best order is above the cap, highest first; one segment that cannot be brought
-    under the cap proves that no order can."""
+    under the cap proves that no order can.
+
+    ``stop_gap``: stop once the best order is within that fraction of the proven bound
+    (:func:`memplan.schedule.problem.gap_met`), after the probe at the bound (which may prove
+    it optimal); ``first_share``: the share of the time the
+    probe at the bound gets; ``max_probes``: stop after that many probes."""
     ig = ig or IdealGraph.of(graph)
     parts = list(parts) if parts is not None else [(0, graph.num_ops - 1, range(graph.num_ops))]
     best_order = list(start_order)
@@ -342,10 +352,10 @@ def minimise_peak(
     proven = searched = lower_bytes
     hi = best - 1
     probes: list[Probe] = []
-    cap, share, second = lower_bytes, FIRST_PROBE_SHARE, True
+    cap, share, second = lower_bytes, first_share, True
     while searched <= hi:
         t0 = time.perf_counter()
-        if t0 >= deadline:
+        if t0 >= deadline or len(probes) == max_probes or (probes and stop_gap and gap_met(best, proven, stop_gap)):
             break
         probe_deadline = min(deadline, t0 + share * (deadline - t0))
         outcome, order, nodes = _probe(graph, ig, parts, best_order, cap, probe_deadline, engine)

@@ -29,6 +29,10 @@ class ScheduleProblem:
     time-indexed booleans of one CP-SAT model; larger segments are solved in windows around
     the incumbent order (then the status is at best "feasible"). ``ideal_search`` runs the exact
     search over ideals (:mod:`memplan.schedule.ideals`) before the CP-SAT model.
+    ``relative_gap_limit`` stops the search as soon as ``peak - bound <= limit * peak`` for
+    the best order and the best proven lower bound (MIP solvers' relative gap: Gurobi's
+    MIPGap, CP-SAT's relative_gap_limit); the result is then "feasible" with its gap, unless
+    the bound was met. 0 proves to the end (or to the time limit).
     """
 
     graph: Graph
@@ -39,6 +43,7 @@ class ScheduleProblem:
     early_updates: Literal["auto", "always", "never"] = "auto"
     max_model_literals: int = 150_000
     ideal_search: bool = True
+    relative_gap_limit: float = 0.0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -49,6 +54,8 @@ class ScheduleProblem:
             raise MemplanError(f"CP-SAT needs at least one worker, not {self.workers}")
         if self.early_updates not in ("auto", "always", "never"):
             raise MemplanError(f"early_updates must be auto, always or never, not {self.early_updates!r}")
+        if not 0 <= self.relative_gap_limit < 1:
+            raise MemplanError(f"the relative gap limit must be in [0, 1), not {self.relative_gap_limit}")
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,11 @@ def relative_gap(peak_bytes_value: int, lower_bound_bytes: int) -> float:
     if peak_bytes_value <= 0:
         return 0.0
     return max(0.0, (peak_bytes_value - lower_bound_bytes) / peak_bytes_value)
+
+
+def gap_met(peak_bytes_value: int, lower_bound_bytes: int, limit: float) -> bool:
+    """The relative-gap stop: ``peak - bound <= limit * peak`` (``limit`` 0: the bound is met)."""
+    return peak_bytes_value - lower_bound_bytes <= limit * peak_bytes_value
 
 
 def validate_schedule(graph: Graph, result: ScheduleResult) -> None:

@@ -36,6 +36,14 @@ from memplan.torch.capture.hf_masks import MaskGuard, follow_mask_shortcuts
 from memplan.torch.capture.literals import check_literals_repeat, same_literals
 from memplan.torch.capture.marks import BACKWARD_MARK, CALL_KIND, CALL_MARK, RELEASE_KIND
 from memplan.torch.capture.regions import CallRegion, RegionRecorder
+from memplan.torch.capture.steady import (
+    SteadyRecord,
+    eligible,
+    jsonable,
+    literal_counts,
+    record_key_parts,
+    warm_optimizers,
+)
 from memplan.torch.capture.swap import SCALER_TENSORS, FakeSwap
 from memplan.torch.capture.wrappers import refuse_unplanned_wrappers
 from memplan.torch.tensors import is_random, storage_key, tensor_leaves, written_storages
@@ -131,6 +139,7 @@ def capture_step(
     name: str = "",
     recompute_copies: bool = False,
     like: Capture | None = None,
+    steady: Any = None,
 ) -> Capture:
     """Capture the whole step ``fn(batch)``: forward(s), backward(s), gradient clipping, the
     optimizers' and scaler's calls, as the user wrote it.
@@ -149,6 +158,10 @@ def capture_step(
     the check against their own untraced run) and ``like``'s recomputed copies are applied
     instead of searched. Where either does not hold, the step is captured as without ``like``;
     ``fake_runs`` says which (1 or 2). The caller still compares the programs.
+
+    ``steady``: the plan cache (:class:`memplan.torch.run.plancache.StepCache`), which keeps
+    what a full capture's untraced run showed; a restarted process's step is then traced once
+    where that record holds, checked by the capture's fingerprint (:mod:`.steady`).
     """
     refuse_unplanned_wrappers(model)
     mode = fake_mode_of(model) or new_fake_mode()
@@ -161,7 +174,31 @@ def capture_step(
             return _capture_traced(objects, batch, mode, like)
         except _NotLike:
             pass  # a literal differs from ``like``'s, or its recomputed copies do not apply: as without it
+    if like is None and steady is not None and eligible(optimizers, scaler, schedulers):
+        return _capture_steady(objects, batch, mode, steady)
     return _capture_traced(objects, batch, mode, None)
+
+
+def _capture_steady(objects: _StepObjects, batch: Any, mode: Any, store: Any) -> Capture:
+    """The capture of a fresh process's step traced once where the store's record of its
+    untraced run holds (:mod:`.steady`), else in full, its record kept for the next process.
+    The record is a hint: any failure of the shortcut (``_NotLike``, ``NotSteady``, an error of
+    the traced run) captures in full, which raises what the step itself raises."""
+    parts = record_key_parts(objects.fn, objects.model, objects.optimizers, batch, objects.recompute_copies)
+    record = store.steady_record(parts)
+    if record is not None:
+        try:
+            capture = _capture_traced(objects, batch, mode, None, warm=record)
+            if store.fingerprint(capture) == record.fingerprint:
+                return capture
+        except Exception:
+            pass  # not the recorded step: captured in full below (the fakes are swapped in afresh)
+    capture = _capture_traced(objects, batch, mode, None)
+    phases = dict(zip(capture.node_of_op, capture.op_phase, strict=True))
+    state, literals = jsonable(capture.optimizer_state_meta), literal_counts(capture.gm, phases)
+    record = SteadyRecord(state, literals, tuple(capture.recomputed), store.fingerprint(capture))
+    store.keep_steady_record(parts, record)
+    return capture
 
 
 @dataclass(frozen=True)
@@ -191,8 +228,11 @@ def steady_like(like: Capture, model: torch.nn.Module, optimizers: Sequence[torc
     return now == like.optimizer_state_meta
 
 
-def _capture_traced(objects: _StepObjects, batch: Any, mode: Any, like: Capture | None) -> Capture:
-    """:func:`capture_step`'s fake runs; with ``like``, the traced run only."""
+def _capture_traced(
+    objects: _StepObjects, batch: Any, mode: Any, like: Capture | None, warm: SteadyRecord | None = None
+) -> Capture:
+    """:func:`capture_step`'s fake runs; with ``like``, the traced run only; with ``warm``, the
+    traced run after the optimizers' state is made from the record (:mod:`.steady`)."""
     model, optimizers, scaler = objects.model, objects.optimizers, objects.scaler
     flat, spec = pytree.tree_flatten(_fake_batch(batch, mode))
     fn = objects.fn
@@ -203,11 +243,13 @@ def _capture_traced(objects: _StepObjects, batch: Any, mode: Any, like: Capture 
     recorder = RegionRecorder(model, optimizers, scaler, objects.schedulers)
     with FakeSwap(mode, model, optimizers, scaler), guarded_casts(model), recorder.installed():
         take_literals(mode)
-        if like is None:
+        if warm is not None:
+            warm_optimizers(model, optimizers, mode, warm)
+        elif like is None:
             with mode:  # creates the optimizers' state lazily (plan the steady state), shows the literals
                 _guarded(run, flat)
             _refuse_leftover_gradients(model)
-        earlier_literals = take_literals(mode) if like is None else None
+        earlier_literals = take_literals(mode) if like is None and warm is None else None
         recorder.reset()
         with mode:
             grads = _GradRecorder(model)
@@ -228,14 +270,17 @@ def _capture_traced(objects: _StepObjects, batch: Any, mode: Any, like: Capture 
     def to_capture(g: torch.fx.GraphModule, seconds: float) -> Capture:
         return _to_capture(g, categories, grads.storages, "train", seconds, objects.name, regions)
 
-    recomputed = _recomputed(gm, to_capture, objects.recompute_copies, like)
+    recomputed = _recomputed(gm, to_capture, objects.recompute_copies, like or warm)
     capture = to_capture(gm, time.perf_counter() - start)
     phases = dict(zip(capture.node_of_op, capture.op_phase, strict=True))
-    if like is None:
+    if warm is not None:
+        if literal_counts(gm, phases) != warm.literals:
+            raise _NotLike("the step makes other literals than the recorded run")
+    elif like is None:
         check_literals_repeat(gm, phases, earlier_literals)
     elif not same_literals(gm, phases, like):
         raise _NotLike("the step makes other literals than at the other shape")
-    capture.fake_runs = 1 if like is not None else 2
+    capture.fake_runs = 1 if like is not None or warm is not None else 2
     capture.recomputed = recomputed
     capture.grad_storage_by_param = dict(grads.by_param)
     capture.optimizer_state_meta = state_meta
@@ -251,7 +296,7 @@ def _capture_traced(objects: _StepObjects, batch: Any, mode: Any, like: Capture 
 
 
 def _recomputed(
-    gm: torch.fx.GraphModule, to_capture: Callable[..., Capture], enabled: bool, like: Capture | None
+    gm: torch.fx.GraphModule, to_capture: Callable[..., Capture], enabled: bool, like: Capture | SteadyRecord | None
 ) -> list[str]:
     """The copies recomputed in ``gm`` (:mod:`.recompute`): searched, or with ``like`` the very
     copies ``like`` recomputes (a copy gives the same bits, so any of them is exact; the

@@ -131,6 +131,13 @@ def plan_key(capture: Any, options: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:40]
 
 
+def steady_key(parts: Any) -> str:
+    """The key of a steady-state record (:mod:`memplan.torch.capture.steady`, kept in the
+    cache's ``steady`` folder): what is known of the step before capture, and the code."""
+    text = json.dumps({"step": parts, "code": code_digest()}, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:40]
+
+
 @dataclass(frozen=True)
 class CachedReplay:
     """A placed recording (one trace per branch) and its offsets, buffer index -> offset."""
@@ -290,6 +297,7 @@ class StepCache:
 
     def __init__(self, cache: PlanCache) -> None:
         self.cache = cache
+        self.records = PlanCache(cache.directory / "steady")  # capture's records (see steady_record)
         # per key: the plan's JSON text (rewritten with each placement) and, until a runner takes
         # it, the entry's placed recording (not kept: a large step's traces are megabytes)
         self._plan_text: dict[str, str] = {}
@@ -320,8 +328,32 @@ class StepCache:
         self._replay_data[key] = entry.get("replay")
         seconds = round(time.perf_counter() - start, 3)  # solving and storing, or reading and validating
         info = {"key": key, "folder": str(self.cache.directory), "plan": source, "seconds": seconds, "id": id(plan)}
+        info["fake_runs"] = capture.fake_runs  # 1: traced once (a restart's record, or another shape's capture)
         plan.report["plan_cache"] = info
         return plan
+
+    def steady_record(self, parts: Any) -> Any:
+        """The record of a full capture's untraced run for a step known by ``parts``
+        (:func:`memplan.torch.capture.steady.record_key_parts`), or None."""
+        from memplan.torch.capture.steady import SteadyRecord
+
+        key = steady_key(parts)
+        entry = self.records.load(key)
+        if entry is None:
+            return None
+        try:
+            return SteadyRecord.from_json(entry["steady"])
+        except UNUSABLE as error:
+            self.records._ignored(self.records.path(key), f"holds a malformed record ({type(error).__name__})")
+            return None
+
+    def keep_steady_record(self, parts: Any, record: Any) -> None:
+        """Store ``record`` for the step known by ``parts`` (a restarted process traces it once)."""
+        self.records.store(steady_key(parts), {"steady": record.to_json()})
+
+    def fingerprint(self, capture: Any) -> str:
+        """:func:`graph_fingerprint`: what a record's capture must give again."""
+        return graph_fingerprint(capture)
 
     def attach(self, runner: Any, plan: MemoryPlan) -> None:
         """Give ``runner`` (a :class:`memplan.torch.run.replay.ReplayedStep` of ``plan``) the
@@ -380,10 +412,12 @@ def account_first_steps(runner: Any, plan: MemoryPlan, seconds: float, capture_s
     capture and planning cost, and, filled in as the steps run, the recorded step's placement
     (``cached`` or ``solved``, ``placing_seconds``) and ``visits_before_replay``: the steps run
     before the first one served from the placed plan throughout (0 with arena views: the plan
-    runs from the first step)."""
+    runs from the first step); with the cache, ``fake_runs``: the capture's runs of the step on
+    fakes (1 where a restart's record stood for the untraced one, :mod:`memplan.torch.capture.steady`)."""
     if _own_key(plan) is not None:
         source = plan.report["plan_cache"]["plan"]
         extra = {"plan_seconds": plan.report["plan_cache"]["seconds"]}
+        extra["fake_runs"] = plan.report["plan_cache"].get("fake_runs")
     else:
         plan.report.pop("plan_cache", None)
         source = "reused" if plan.report.get("placement", {}).get("method") == "reused" else "planned"

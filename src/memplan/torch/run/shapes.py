@@ -20,6 +20,11 @@ written apart from this reasoning. Where the structure depends on the shape (a b
 kernel chosen by size, a mask shortcut) the check fails and the caller plans the shape as
 before. :func:`pad_to_bucket` is the alternative a user may prefer: pad every batch to the next
 of a few lengths, so that only that many shapes exist.
+
+With ``dynamic=`` the new shape's capture need not be traced: the declared largest shape's step
+is captured once with a symbolic length (:mod:`memplan.torch.capture.symbolic`), and a length
+whose guards hold gets its capture from that program evaluated at it; the checks here run on
+that capture as on a traced one.
 """
 
 from __future__ import annotations
