@@ -20,6 +20,7 @@ from memplan.graph.ir import Graph
 from memplan.streams.sync import is_collective, is_wait
 from memplan.torch.capture import Capture
 from memplan.torch.distributed import fsdp_ops
+from memplan.torch.distributed.runner import merge_hooks
 from memplan.torch.run.interpreter import Plan, RunHook, StepRunner
 
 
@@ -79,17 +80,7 @@ class FsdpStreamRunner(StepRunner):
 
     def _compile(self) -> list:
         """The interpreter's instructions with each wait after the instruction at its planned position."""
-        instructions = super()._compile()
-        hooks = sorted(self._hooks, key=lambda h: h.after)
-        merged: list = []
-        k = 0
-        for ins in instructions:
-            while k < len(hooks) and hooks[k].after < ins.position:
-                merged.append(hooks[k])
-                k += 1
-            merged.append(ins)
-        merged.extend(hooks[k:])
-        return merged
+        return merge_hooks(super()._compile(), self._hooks)
 
     def run_step(self, batch: Any) -> Any:
         self.inflight = fsdp_ops.Inflight(record_times=self.record_times)

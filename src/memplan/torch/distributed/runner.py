@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,17 +124,7 @@ class DataParallelRunner(StepRunner):
     def _compile(self) -> list:
         """The interpreter's instructions with each collective and wait after the instruction at
         its planned position."""
-        instructions = super()._compile()
-        hooks = sorted(self._hooks, key=lambda h: h.after)
-        merged: list = []
-        k = 0
-        for ins in instructions:
-            while k < len(hooks) and hooks[k].after < ins.position:
-                merged.append(hooks[k])
-                k += 1
-            merged.append(ins)
-        merged.extend(hooks[k:])
-        return merged
+        return merge_hooks(super()._compile(), self._hooks)
 
     def claimed_peak_bytes(self) -> int:
         """What the plan claims this rank's step holds at its fullest: persistent tensors, the
@@ -214,3 +205,18 @@ def _split(capture: Capture, plan: DataParallelPlan) -> tuple[list[int], list[Ru
         else:
             order.append(capture_id[op.name])
     return order, hooks
+
+
+def merge_hooks(instructions: list, hooks: Sequence[RunHook]) -> list:
+    """``instructions`` with each hook after the instruction at its planned position (``after``),
+    hooks at one position in their given order."""
+    ordered = sorted(hooks, key=lambda h: h.after)
+    merged: list = []
+    k = 0
+    for ins in instructions:
+        while k < len(ordered) and ordered[k].after < ins.position:
+            merged.append(ordered[k])
+            k += 1
+        merged.append(ins)
+    merged.extend(ordered[k:])
+    return merged
