@@ -372,9 +372,8 @@ def test_the_advice_names_the_reordered_peak_when_no_remat_plan_is_smaller() -> 
     reordered plan, which recomputes nothing, peaked lower and runs."""
     from types import SimpleNamespace
 
-    from memplan.report.format import format_bytes
     from memplan.torch.capture import capture_train_step
-    from memplan.torch.run.budget import _infeasible_message
+    from memplan.torch.run.budget import _infeasible_message, format_at_least
 
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -383,4 +382,4 @@ def test_the_advice_names_the_reordered_peak_when_no_remat_plan_is_smaller() -> 
     reordered = 2000  # below every baseline (the parameters alone are larger): the advice must name it
     message = _infeasible_message(graph, 1000, 10**12, unknown, (), reordered_bytes=reordered, time_limit_seconds=1)
     assert "\n" not in message
-    assert f"raise memory_budget to at least {format_bytes(reordered)}" in message
+    assert f"raise memory_budget to at least {format_at_least(reordered)}" in message

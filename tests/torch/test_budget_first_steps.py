@@ -107,3 +107,26 @@ def test_own_bytes_count_the_heaps_free_bytes() -> None:
         assert reading - outside >= 6 * MIB, (reading, outside, heap_free_bytes())
     finally:
         del blocks
+
+
+def test_a_heap_fragmented_before_compiling_is_not_counted_as_memplans() -> None:
+    """The heap's free bytes count only up to what a step may touch again: free chunks the
+    user's process left (here 32 MiB) count at most HEAP_TOUCH_BYTES (8 MiB), not all."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = (torch.randn(32, 64), torch.randint(0, 4, (32,)))
+    gc.collect()
+    blocks = [bytearray(2048) for _ in range(32768)]  # 64 MiB of malloc'd blocks
+    before = heap_free_bytes()
+    del blocks[::2]
+    try:
+        assert heap_free_bytes() - before >= 24 * MIB  # the freed halves stay in the heap, free
+        step = memplan.compile_step(
+            model, opt, torch.nn.functional.cross_entropy, batch, memory_budget="1GiB", time_limit_seconds=1
+        )
+        step(batch)
+        report = step.report["budget"]
+        assert report["outside_counted_bytes"] < 24 * MIB, report
+    finally:
+        del blocks

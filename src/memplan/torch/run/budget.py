@@ -260,6 +260,26 @@ def plan_budget(
     return decided
 
 
+HEAP_TOUCH_BYTES = 8 * 2**20
+"""The most of the C heap's free bytes counted as memplan's own: what a step's small
+allocations may touch again (the Llama at batch 2: 2.5-3.9 MiB), twice over. A heap the
+user's process fragmented before (tens of MiB free) must not lower a budget by all of it."""
+
+
+def own_reading(model: torch.nn.Module, optimizers: Sequence[Any], batch: Any) -> int | None:
+    """What the process may hold resident outside the step while it runs: the resident set
+    less the step's tensors (:func:`outside_step_bytes`, the C heap's free pages handed back
+    first) plus the bytes the C heap holds free (:func:`memplan.torch.run.heap.heap_free_bytes`)
+    up to :data:`HEAP_TOUCH_BYTES`, since the step's small allocations (tensor and Python
+    objects) land in those pages and make them resident again: the Llama at batch 2 measured
+    2.5-3.9 MiB above its plan and memplan's own bytes when only the trimmed resident set was
+    counted. Compared with :func:`outside_step_bytes` before capture. ``None`` off the CPU."""
+    from memplan.torch.run.heap import heap_free_bytes
+
+    outside = outside_step_bytes(model, optimizers, batch)
+    return None if outside is None else outside + min(heap_free_bytes(), HEAP_TOUCH_BYTES)
+
+
 def outside_step_bytes(model: torch.nn.Module, optimizers: Sequence[Any], batch: Any) -> int | None:
     """What this process holds resident outside the step's own tensors now (CPU; ``None``
     elsewhere): its resident set, the C heap's free pages handed back, less the parameters,
@@ -311,16 +331,8 @@ class OwnBytes:
     last_outside: int | None = None  # the latest reading (:meth:`reading`)
 
     def reading(self, model: torch.nn.Module, optimizers: Sequence[Any], batch: Any) -> int | None:
-        """What the process may hold resident outside the step while it runs: the resident set
-        less the step's tensors (:func:`outside_step_bytes`, the C heap's free pages handed back
-        first) plus the bytes the C heap holds free (:func:`memplan.torch.run.heap.heap_free_bytes`),
-        since the step's small allocations (tensor and Python objects) land in those pages and make
-        them resident again: the Llama at batch 2 measured 2.5-3.9 MiB above its plan and memplan's
-        own bytes when only the trimmed resident set was counted. ``None`` off the CPU."""
-        from memplan.torch.run.heap import heap_free_bytes
-
-        outside = outside_step_bytes(model, optimizers, batch)
-        return None if outside is None else outside + heap_free_bytes()
+        """:func:`own_reading` now (``before``: :func:`outside_step_bytes` before capture)."""
+        return own_reading(model, optimizers, batch)
 
     def _grown(self, model: torch.nn.Module, optimizer: Any, batch: Any) -> int:
         now = None if self.before is None else self.reading(model, [optimizer], batch)
