@@ -535,9 +535,7 @@ def _prefetching_plan(steps: int) -> dict:
     run_eager = fc._eager(eager, eager_opt, fc.cross_entropy)
     model = fc.shard(build(0), dist.get_world_size())
     opt = fc.adamw(model)
-    step = compile_fsdp_step(
-        model, opt, fc.cross_entropy, batch, time_limit_seconds=0.5, prefetch=2, record_times=True
-    )
+    step = compile_fsdp_step(model, opt, fc.cross_entropy, batch, time_limit_seconds=0.5, prefetch=2, record_times=True)
     runner = step.runner_for(batch)
     g, order = runner.step_graph, runner.stream_order
     position = {v: i for i, v in enumerate(order)}

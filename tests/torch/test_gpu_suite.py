@@ -182,9 +182,13 @@ def test_merged_calls_keep_measured_rows_and_name_their_call() -> None:
     assert set(keys) == every
     for row in merged["rows"]:
         _check_row(row)
-        measured_anywhere = [n for n, d in enumerate(docs, 1) for r in d["rows"]
-                             if (r["part"], r["model"], r["batch"]) == (row["part"], row["model"], row["batch"])
-                             and r["memplan_reserved_bytes"] is not None]
+        measured_anywhere = [
+            n
+            for n, d in enumerate(docs, 1)
+            for r in d["rows"]
+            if (r["part"], r["model"], r["batch"]) == (row["part"], row["model"], row["batch"])
+            and r["memplan_reserved_bytes"] is not None
+        ]
         assert (row["memplan_reserved_bytes"] is not None) == bool(measured_anywhere)
         if measured_anywhere:
             assert row["run"] == measured_anywhere[-1]

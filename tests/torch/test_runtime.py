@@ -118,14 +118,15 @@ def test_arena_embedding_backward_is_bitwise_the_cpu_kernel(padding_idx):
     assert torch.equal(out, expected)
 
 
-ROWWISE_CASES = [((8, 4, 16, 16), 1), ((32, 1000), 1), ((2, 12, 64, 64), -1), ((3, 5, 7), 0)]
+ROWWISE_CASES = [((8, 4, 16, 16), 1), ((32, 1000), 1), ((2, 12, 64, 64), -1), ((3, 5, 7), 0), ((3, 50257), -1)]
 
 
 @pytest.mark.parametrize(("shape", "dim"), ROWWISE_CASES)
 def test_rowwise_kernels_written_over_their_input_give_the_same_bits(shape, dim):
-    """The runtime's in-place sharing (INPLACE_ROWWISE) relies on these kernels reading each
-    element before writing it: out= over either input must equal the functional kernel."""
-    from memplan.torch.run.interpreter import INPLACE_ROWWISE
+    """Writes over dying inputs (INPLACE_ROWWISE, capture/inplace.py) rely on these kernels reading
+    each element before writing it: out= over either input must equal the functional kernel (a
+    GPT-2 vocabulary's row included)."""
+    from memplan.torch.capture.inplace import INPLACE_ROWWISE
 
     aten = torch.ops.aten
     torch.manual_seed(0)

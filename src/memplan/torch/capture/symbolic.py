@@ -305,6 +305,16 @@ def _trace(
 
         if not recompute_named(gm, template.recomputed):
             raise NotSymbolic("the capture's recomputed copies do not apply to the symbolic program")
+    if template.written_into:
+        from memplan.torch.capture.inplace import write_into_named
+
+        concrete = [n.name for n in template.gm.graph.nodes]
+        symbolic = [n.name for n in gm.graph.nodes if not _is_symbolic_arithmetic(n)]
+        if len(concrete) != len(symbolic):
+            raise NotSymbolic(f"the symbolic program has {len(symbolic)} nodes, the capture {len(concrete)}")
+        names = dict(zip(concrete, symbolic, strict=True))  # size arithmetic shifts fx's names
+        if not write_into_named(gm, [(names[n], i) for n, i in template.written_into]):
+            raise NotSymbolic("the capture's writes over dying inputs do not apply to the symbolic program")
     if [r.kind for r in recorder.regions] != [r.kind for r in template.regions]:
         raise NotSymbolic("the symbolic step makes other calls of its stateful objects")
     return gm, env, leaf_symbols

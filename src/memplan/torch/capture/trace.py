@@ -72,6 +72,8 @@ class Capture:
     # HF's mask shortcuts decided from the example batch: later batches must decide the same
     mask_guards: list[Any] = field(default_factory=list)
     recomputed: list[str] = field(default_factory=list)  # copies run again in the backward (recompute.py)
+    # (node, argument) of each op that writes its result over a dying input (inplace.py)
+    written_into: list[tuple[str, int]] = field(default_factory=list)
     # param name -> {state key: ("tensor", shape, dtype) or ("value", type name)}: the optimizer
     # state as eager's step leaves it (read off the fake optimizer after the traced step)
     optimizer_state_meta: dict[str, dict[str, tuple]] = field(default_factory=dict)
@@ -100,6 +102,7 @@ def capture_train_step(
     *,
     name: str = "",
     recompute_copies: bool = False,
+    write_into_dying: bool = True,
 ) -> Capture:
     """Capture ``loss = loss_fn(model(inputs), target); loss.backward(); optimizer.step();
     optimizer.zero_grad(set_to_none=True)`` for ``batch = (inputs, target)``: the short form
@@ -111,6 +114,7 @@ def capture_train_step(
         optimizers=[optimizer],
         name=name,
         recompute_copies=recompute_copies,
+        write_into_dying=write_into_dying,
     )
 
 
@@ -140,6 +144,7 @@ def capture_step(
     recompute_copies: bool = False,
     like: Capture | None = None,
     steady: Any = None,
+    write_into_dying: bool = True,
 ) -> Capture:
     """Capture the whole step ``fn(batch)``: forward(s), backward(s), gradient clipping, the
     optimizers' and scaler's calls, as the user wrote it.
@@ -162,13 +167,18 @@ def capture_step(
     ``steady``: the plan cache (:class:`memplan.torch.run.plancache.StepCache`), which keeps
     what a full capture's untraced run showed; a restarted process's step is then traced once
     where that record holds, checked by the capture's fingerprint (:mod:`.steady`).
+
+    ``write_into_dying``: ops that may write over a dying input are rewritten to do so
+    (:mod:`.inplace`); off where the program is not run by memplan (a SAC policy's ops are eager's).
     """
     refuse_unplanned_wrappers(model)
     mode = fake_mode_of(model) or new_fake_mode()
     _check_trainable(model)
     if scaler is not None and scaler.is_enabled() and scaler._scale is None:
         scaler._lazy_init_scale_growth_tracker(next(model.parameters()).device)  # as its first scale() would
-    objects = _StepObjects(fn, model, list(optimizers), scaler, list(schedulers), name, recompute_copies)
+    objects = _StepObjects(
+        fn, model, list(optimizers), scaler, list(schedulers), name, recompute_copies, write_into_dying
+    )
     if like is not None and steady_like(like, model, optimizers):
         try:
             return _capture_traced(objects, batch, mode, like)
@@ -212,6 +222,7 @@ class _StepObjects:
     schedulers: list[Any]
     name: str
     recompute_copies: bool
+    write_into_dying: bool = True
 
 
 class _NotLike(Exception):
@@ -272,6 +283,10 @@ def _capture_traced(
 
     recomputed = _recomputed(gm, to_capture, objects.recompute_copies, like or warm)
     capture = to_capture(gm, time.perf_counter() - start)
+    written = _written_into(gm, capture, grads.storages) if objects.write_into_dying else []
+    if written:
+        capture = to_capture(gm, time.perf_counter() - start)
+    capture.written_into = written
     phases = dict(zip(capture.node_of_op, capture.op_phase, strict=True))
     if warm is not None:
         if literal_counts(gm, phases) != warm.literals:
@@ -314,6 +329,13 @@ def _recomputed(
         recomputed = recompute(gm, lambda g: to_capture(g, 0.0).graph)
     gm.recompile()
     return recomputed
+
+
+def _written_into(gm: torch.fx.GraphModule, capture: Capture, grad_storages: set[int]) -> list[tuple[str, int]]:
+    """Ops of the forward and backward that write their result over a dying input (:mod:`.inplace`)."""
+    from memplan.torch.capture.inplace import write_into_dying_inputs
+
+    return write_into_dying_inputs(gm, dict(zip(capture.node_of_op, capture.op_phase, strict=True)), grad_storages)
 
 
 def hold_update_inputs(capture: Capture) -> Graph:
@@ -412,6 +434,10 @@ def capture_infer_step(model: torch.nn.Module, inputs: Any, *, name: str = "") -
         with follow_mask_shortcuts(real_inputs, mask_guards):
             gm = _trace(step, flat)
     capture = _to_capture(gm, categories, set(), "infer", time.perf_counter() - start, name)
+    written = _written_into(gm, capture, set())
+    if written:
+        capture = _to_capture(gm, categories, set(), "infer", time.perf_counter() - start, name)
+    capture.written_into = written
     capture.mask_guards = mask_guards
     check_literals_repeat(gm, dict(zip(capture.node_of_op, capture.op_phase, strict=True)), earlier_literals)
     capture.batch_spec = spec

@@ -40,7 +40,8 @@ def capture_for_sac(model_name: str, batch_size: int, optimizer_name: str = "sgd
     with mode:
         optimizer = make_optimizer(optimizer_name, w.model.parameters())
     name = f"{model_name}-b{batch_size}-train-{optimizer_name}"
-    return capture_train_step(w.model, optimizer, w.loss_fn, (w.inputs, w.target), name=name)
+    # SAC runs eager's functional ops: the capture keeps them (no writes over dying inputs)
+    return capture_train_step(w.model, optimizer, w.loss_fn, (w.inputs, w.target), name=name, write_into_dying=False)
 
 
 def compare_sac_with_eager(

@@ -928,6 +928,15 @@ class BudgetedReplay(ReplayedStep):
         self.shared.release()
         self._replan(placed + grown - budget, placed + grown, grown, placed)
 
+    def _excess_over_live(self, peak: int) -> int:
+        """How far the solver's budget must come down for a plan as far above its live bytes as
+        this one (``peak``, placed or on the ordinary allocator, over the plan's live-bytes peak)
+        to fit: lowering it by the excess over the budget alone lets the next plan take up the
+        slack this one left below its budget, and come out over again."""
+        budget, solve = self.decided.report["budget_bytes"], self.decided.solve_bytes
+        above_live = peak - int(self.decided.report["planned_peak_bytes"])
+        return (budget if solve is None else solve) - (budget - above_live)
+
     def _replan(self, excess: int, runnable: int, grown: int, needed: int, *, recording: bool = False) -> None:
         """Plan the step again with the solver's budget lowered by ``excess`` (the placed arena's
         or the recording steps' own growth's, :func:`tighten_budget`) and record it anew; refused
@@ -953,7 +962,7 @@ class BudgetedReplay(ReplayedStep):
                 f"the excess: raise memory_budget to at least {format_at_least(runnable + self._outside_bytes())} or "
                 "give more time_limit_seconds"
             )
-        self.decided = tighten_budget(self.decided, excess, runnable)
+        self.decided = tighten_budget(self.decided, max(excess, self._excess_over_live(needed + grown)), runnable)
         self.report.update(self.decided.report)
         self.run = self.make_runner(self.decided.schedule)
         self.recordings = 0

@@ -372,9 +372,7 @@ def _leaf_kind(value: Any) -> Any:
     return (type(value), repr(value))
 
 
-def _store(
-    w: _Writer, node: torch.fx.Node, expr: str, hold: Callable[[torch.fx.Node], None] | None = None
-) -> None:
+def _store(w: _Writer, node: torch.fx.Node, expr: str, hold: Callable[[torch.fx.Node], None] | None = None) -> None:
     """Assign an op's result as the interpreter's ``_store`` keeps it: a tuple read only through
     getitem element by element, so each element is freed at its own last use. ``hold(node)``
     is told of each local assigned (default: the writer's ``assigned`` set)."""

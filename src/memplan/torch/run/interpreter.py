@@ -31,6 +31,13 @@ from memplan.errors import MemplanError
 from memplan.graph.ir import Graph, TensorId
 from memplan.torch.capture import Capture
 from memplan.torch.capture.hf_masks import check_mask_guards
+from memplan.torch.capture.inplace import (
+    INPLACE_ELEMENTWISE,
+    INPLACE_ROWWISE,
+    op_name,
+    real_out_variant,
+    same_dense_layout,
+)
 from memplan.torch.capture.regions import only_params as _only_params
 from memplan.torch.run.constants import bind_constants
 from memplan.torch.run.selfcheck import SelfCheck
@@ -244,7 +251,7 @@ class StepRunner:
             return _Call(position, node, fresh, "plain")
         if node.target._schema.name in _EMPTY_FACTORIES and len(fresh) == 1:
             return _Call(position, node, fresh, "empty")
-        out_op, names = _real_out_variant(node.target, len(tensor_leaves(node.meta.get("val"))))
+        out_op, names = real_out_variant(node.target, len(tensor_leaves(node.meta.get("val"))))
         if out_op is not None and len(fresh) == len(names):
             return _Call(position, node, fresh, "out", out_op, names)
         kernel = ARENA_KERNELS.get(node.target._schema.name)
@@ -297,7 +304,7 @@ class StepRunner:
             if isinstance(ins, _Call) and ins.strategy == "plain":
                 index = self._dying_input(ins, storage_last)
                 if index is not None:
-                    out_op, names = _real_out_variant(ins.node.target, 1)
+                    out_op, names = real_out_variant(ins.node.target, 1)
                     ins = replace(ins, strategy="inplace", out_op=out_op, out_names=names, inplace_arg=index)
             rewritten.append(ins)
         return rewritten
@@ -314,16 +321,16 @@ class StepRunner:
     def _dying_input(self, ins: _Call, storage_last: dict[int, int]) -> int | None:
         node = ins.node
         out = node.meta.get("val")
-        if _op_name(node) not in INPLACE_ELEMENTWISE | INPLACE_ROWWISE or not isinstance(out, torch.Tensor):
+        if op_name(node) not in INPLACE_ELEMENTWISE | INPLACE_ROWWISE or not isinstance(out, torch.Tensor):
             return None
         if len(ins.fresh) != 1:
             return None
-        if _real_out_variant(node.target, 1)[0] is None:
+        if real_out_variant(node.target, 1)[0] is None:
             return None
         keys = [storage_key(v) for a in _arg_nodes(node) for v in tensor_leaves(a.meta.get("val"))]
         for index, arg in enumerate(node.args):
             value = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
-            if not isinstance(value, torch.Tensor) or not _same_dense_layout(value, out):
+            if not isinstance(value, torch.Tensor) or not same_dense_layout(value, out):
                 continue
             key = storage_key(value)
             t = self.capture.tensor_of_storage.get(key)
@@ -661,7 +668,7 @@ def _writes_into_arena(node: torch.fx.Node, num_fresh: int) -> bool:
     kernel = ARENA_KERNELS.get(name)
     if kernel is not None and num_fresh == 1 and kernel.applies(node.args, node.kwargs):
         return True
-    out_op, names = _real_out_variant(node.target, len(tensor_leaves(node.meta.get("val"))))
+    out_op, names = real_out_variant(node.target, len(tensor_leaves(node.meta.get("val"))))
     return out_op is not None and len(names) == num_fresh
 
 
@@ -675,21 +682,6 @@ def _as_list(value: Any) -> list[Any]:
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def _real_out_variant(op: Any, num_outputs: int) -> tuple[Any, tuple[str, ...]]:
-    """The ``out=`` overload of ``op`` if it has a real CPU kernel (not a wrapper that
-    allocates a temporary and copies), with the names of its out arguments."""
-    from torch._library._out_variant import to_out_variant
-
-    try:
-        out_op = to_out_variant(op)
-    except RuntimeError:
-        return None, ()
-    if out_op is None or not torch._C._dispatch_has_kernel_for_dispatch_key(out_op.name(), "CPU"):
-        return None, ()
-    names = tuple(a.name for a in out_op._schema.arguments if a.is_out)
-    return (out_op, names) if len(names) == num_outputs else (None, ())
 
 
 @dataclass(frozen=True)
@@ -741,58 +733,6 @@ ARENA_KERNELS = {
     "aten::embedding_dense_backward": ArenaKernel(applies=_embedding_backward_applies, write=_embedding_backward_into),
     "aten::_to_copy": ArenaKernel(applies=_to_copy_applies, write=_to_copy_into),
 }
-
-# Elementwise TensorIterator ops: their out= kernel may write over an input of the same layout
-# (full overlap is allowed), each element read before it is written.
-INPLACE_ELEMENTWISE = frozenset(
-    {
-        "aten::add.Tensor",
-        "aten::sub.Tensor",
-        "aten::mul.Tensor",
-        "aten::div.Tensor",
-        "aten::threshold_backward",
-        "aten::sigmoid_backward",
-        "aten::tanh_backward",
-        "aten::gelu_backward",
-        "aten::silu_backward",
-        "aten::hardtanh_backward",
-        "aten::hardswish_backward",
-        "aten::gelu",
-        "aten::silu",
-        "aten::sigmoid",
-        "aten::tanh",
-        "aten::hardtanh",
-        "aten::hardswish",
-        "aten::clamp_min",
-        "aten::neg",
-        "aten::where.self",
-        "aten::native_dropout_backward",
-    }
-)
-# Row-wise kernels (CPU): each row's reductions are taken before any of its elements is written,
-# and each element is written only after it was read, so the out= kernel may write over an input
-# of the same layout; bit-exactness against the functional kernel is tested.
-INPLACE_ROWWISE = frozenset(
-    {"aten::_softmax", "aten::_log_softmax", "aten::_softmax_backward_data", "aten::_log_softmax_backward_data"}
-)
-
-
-def _op_name(node: torch.fx.Node) -> str:
-    schema = node.target._schema
-    return f"{schema.name}.{schema.overload_name}" if schema.overload_name else schema.name
-
-
-def _same_dense_layout(value: torch.Tensor, out: torch.Tensor) -> bool:
-    """``value`` covers its whole storage with ``out``'s dtype, shape and strides."""
-    return (
-        value.dtype == out.dtype
-        and value.shape == out.shape
-        and value.stride() == out.stride()
-        and value.storage_offset() == 0
-        and value.is_contiguous()
-        and value.untyped_storage().nbytes() == out.untyped_storage().nbytes()
-    )
-
 
 _WEIGHT_ARGUMENT = {"aten::convolution": 1, "aten::convolution_backward": 2}
 
