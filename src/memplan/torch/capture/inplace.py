@@ -121,12 +121,9 @@ def write_into_dying_inputs(
         if phases.get(node.name) not in PLANNED_PHASES:
             continue
         index = _dying_argument(node, protected, touching)
-        if index is None:
-            continue
-        readers = touching.pop(storage_key(node.meta["val"]), set())
-        _rewrite(node, index, nodes)
-        touching[storage_key(node.meta["val"])] |= readers | {node}
-        written.append((node.name, index))
+        if index is not None:
+            _rewrite(node, index, touching)
+            written.append((node.name, index))
     if written:
         gm.recompile()
     return written
@@ -140,33 +137,22 @@ def write_into_named(gm: torch.fx.GraphModule, written: list[tuple[str, int]]) -
     chosen = []
     for name, index in written:
         node = by_name.get(name)
-        if node is None or not _may_write_over(node, index):
+        if node is None or writing_kernel(node) is None or index >= len(node.args):
+            return False
+        if not isinstance(node.args[index], torch.fx.Node) or not _read_once(node, node.args[index]):
             return False
         chosen.append((node, index))
-    nodes = list(gm.graph.nodes)
-    for node, index in chosen:
-        _rewrite(node, index, nodes)
+    touching = _storage_touchers(list(gm.graph.nodes))
+    for node, index in chosen:  # in program order, as they were chosen
+        _rewrite(node, index, touching)
     if chosen:
         gm.recompile()
     return True
 
 
-def _may_write_over(node: torch.fx.Node, index: int) -> bool:
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-        return False
-    out = node.meta.get("val")
-    if op_name(node) not in INPLACE_ELEMENTWISE | INPLACE_ROWWISE or not isinstance(out, torch.Tensor):
-        return False
-    arg = node.args[index] if index < len(node.args) else None
-    value = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
-    return (
-        isinstance(value, torch.Tensor)
-        and real_out_variant(node.target, 1, out.device.type)[0] is not None
-        and _read_once(node, arg)
-    )
-
-
-def _dying_argument(node: torch.fx.Node, protected: set[int], touching: dict[int, set[torch.fx.Node]]) -> int | None:
+def writing_kernel(node: torch.fx.Node) -> Any:
+    """The out= overload through which ``node``'s kernel may write its result over an input of
+    the same layout (the module docstring's first rule), or None."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return None
     name = op_name(node)
@@ -175,7 +161,12 @@ def _dying_argument(node: torch.fx.Node, protected: set[int], touching: dict[int
         return None
     if name in INPLACE_ROWWISE and out.device.type != "cpu":
         return None
-    if storage_key(out) in protected or real_out_variant(node.target, 1, out.device.type)[0] is None:
+    return real_out_variant(node.target, 1, out.device.type)[0]
+
+
+def _dying_argument(node: torch.fx.Node, protected: set[int], touching: dict[int, set[torch.fx.Node]]) -> int | None:
+    out = node.meta.get("val")
+    if writing_kernel(node) is None or storage_key(out) in protected:
         return None
     for index, arg in enumerate(node.args):
         value = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
@@ -236,9 +227,10 @@ def _storage_touchers(nodes: list[torch.fx.Node]) -> dict[int, set[torch.fx.Node
     return touching
 
 
-def _rewrite(node: torch.fx.Node, index: int, nodes: list[torch.fx.Node]) -> None:
+def _rewrite(node: torch.fx.Node, index: int, touching: dict[int, set[torch.fx.Node]]) -> None:
     """``node`` becomes its out= overload writing into argument ``index``, whose value it
-    returns; views of its old result (later nodes' values on that storage) move onto the input's."""
+    returns; views of its old result move onto the input's storage, and ``touching`` (storage
+    -> the nodes that make, view or read it) follows."""
     source = node.args[index]
     old = storage_key(node.meta["val"])
     out_op, names = real_out_variant(node.target, 1, node.meta["val"].device.type)
@@ -246,10 +238,12 @@ def _rewrite(node: torch.fx.Node, index: int, nodes: list[torch.fx.Node]) -> Non
     node.kwargs = {**node.kwargs, names[0]: source}
     base = source.meta["val"]
     node.meta["val"] = base
-    for later in nodes[nodes.index(node) + 1 :]:
-        value = later.meta.get("val")
+    readers = touching.pop(old, set())
+    for other in readers - {node}:  # views of the old result are among the nodes touching it
+        value = other.meta.get("val")
         if any(storage_key(leaf) == old for leaf in tensor_leaves(value)):
-            later.meta["val"] = pytree.tree_map(lambda leaf: _on(base, leaf, old), value)
+            other.meta["val"] = pytree.tree_map(lambda leaf: _on(base, leaf, old), value)
+    touching.setdefault(storage_key(base), set()).update(readers | {node})
 
 
 def _on(base: torch.Tensor, leaf: Any, old: int) -> Any:

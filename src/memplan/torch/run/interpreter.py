@@ -31,13 +31,7 @@ from memplan.errors import MemplanError
 from memplan.graph.ir import Graph, TensorId
 from memplan.torch.capture import Capture
 from memplan.torch.capture.hf_masks import check_mask_guards
-from memplan.torch.capture.inplace import (
-    INPLACE_ELEMENTWISE,
-    INPLACE_ROWWISE,
-    op_name,
-    real_out_variant,
-    same_dense_layout,
-)
+from memplan.torch.capture.inplace import real_out_variant, same_dense_layout, writing_kernel
 from memplan.torch.capture.regions import only_params as _only_params
 from memplan.torch.run.constants import bind_constants
 from memplan.torch.run.selfcheck import SelfCheck
@@ -304,7 +298,7 @@ class StepRunner:
             if isinstance(ins, _Call) and ins.strategy == "plain":
                 index = self._dying_input(ins, storage_last)
                 if index is not None:
-                    out_op, names = real_out_variant(ins.node.target, 1)
+                    out_op, names = real_out_variant(ins.node.target, 1, ins.node.meta["val"].device.type)
                     ins = replace(ins, strategy="inplace", out_op=out_op, out_names=names, inplace_arg=index)
             rewritten.append(ins)
         return rewritten
@@ -321,11 +315,7 @@ class StepRunner:
     def _dying_input(self, ins: _Call, storage_last: dict[int, int]) -> int | None:
         node = ins.node
         out = node.meta.get("val")
-        if op_name(node) not in INPLACE_ELEMENTWISE | INPLACE_ROWWISE or not isinstance(out, torch.Tensor):
-            return None
-        if len(ins.fresh) != 1:
-            return None
-        if real_out_variant(node.target, 1)[0] is None:
+        if len(ins.fresh) != 1 or writing_kernel(node) is None:
             return None
         keys = [storage_key(v) for a in _arg_nodes(node) for v in tensor_leaves(a.meta.get("val"))]
         for index, arg in enumerate(node.args):
