@@ -150,3 +150,14 @@ def test_memplans_own_bytes_are_measured_in_a_fresh_process() -> None:
     assert fraction["outside_counted_bytes"] == 0, fraction
     assert fraction["budget_bytes"] == int(0.9 * fraction["checkpoint_all_peak_bytes"]), fraction
     assert format_bytes(first["memory_budget_bytes"]) == "100.00 GiB"
+
+
+def test_the_eager_twin_of_memplan_run_is_not_counted_as_memplans_own_growth() -> None:
+    """`memplan run --budget` trains eager beside memplan in one process: the AdamW moments
+    eager's first step creates (112 MiB for the zoo MLP) are the harness's, not growth of
+    memplan's own bytes (which once refused GPT-2 2L at batch 20 under 2.2 GiB)."""
+    from memplan.torch.compare import compare_with_eager
+
+    report = compare_with_eager("mlp", 8, steps=1, optimizer_name="adamw", memory_budget="1GiB", time_limit_seconds=2)
+    assert report["max_abs_diff"] == 0.0
+    assert report["budget"]["own_growth_first_steps_bytes"] < 28 * MIB, report["budget"]
