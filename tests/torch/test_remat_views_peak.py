@@ -191,7 +191,9 @@ def test_unreduced_loss_scratch_matches_the_kernels(case: str) -> None:
     for through_out in (True, False):
         kernel = (lambda: op.out(*args, out=out)) if through_out else (lambda: op.default(*args))
         kernel()  # warm-up: the profiler's first window can miss a free
-        result, peak = allocator_peak_bytes(kernel)
+        # the most of three windows: one can miss an allocation (a full suite saw half the claim once)
+        measured = [allocator_peak_bytes(kernel) for _ in range(3)]
+        result, peak = measured[0][0], max(p for _, p in measured)
         assert result.shape == expected.shape
         held = peak - (0 if through_out else traced)  # the functional kernel's output is traced
         claim = unreduced_loss_bytes(call, through_out=through_out)
