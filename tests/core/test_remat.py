@@ -18,7 +18,7 @@ from memplan.remat import STRATEGIES, RematProblem, rematerialize
 from memplan.remat.coarsen import build_solver_graph, identity
 from memplan.remat.lower import InvalidPlan, lower, sequence_peak_bytes, steps_for_order, validate_sequence
 from memplan.remat.maxbatch import largest_fitting, max_batches, within_overhead
-from memplan.remat.problem import base_kind, recompute_skips_mutation, rerun_limits, run_cost
+from memplan.remat.problem import base_kind, memory_floor, recompute_skips_mutation, rerun_limits, run_cost
 
 
 def fwd_bwd_chain(sizes: list[int], flops: list[int]) -> Graph:
@@ -361,7 +361,91 @@ def test_a_view_read_only_after_its_base_is_recomputed_keeps_its_first_run() -> 
     assert runs.count(graph.op_index["detach"]) == 2 and runs.count(graph.op_index["relu"]) == 2
 
 
-@pytest.mark.parametrize("make", [bn_relu_graph, residual_graph, view_graph])
+def chain_graph(intermediate_reader: bool = False) -> Graph:
+    """GELU's tail as the capture writes it over dying inputs (Chen et al. 4.1): ``pow`` makes
+    ``p``; ``mul.out``, ``add.out`` and ``tanh.out`` write into ``p`` one after the other, each
+    reading the handle of the one before; the forward and the backward read the final value.
+    ``intermediate_reader``: a ``peek`` reads ``p`` after the first write only (a value a re-run
+    of the whole chain would overwrite)."""
+    names = [
+        ("x", 8, Category.INPUT, True),
+        ("w", 4, Category.PARAMETER, True),
+        ("a", 64, Category.ACTIVATION, False),
+        ("p", 64, Category.ACTIVATION, False),
+        ("h1", 0, Category.CONTROL, False),
+        ("h2", 0, Category.CONTROL, False),
+        ("h3", 0, Category.CONTROL, False),
+        ("y", 64, Category.ACTIVATION, False),
+        ("big", 128, Category.ACTIVATION, False),
+        ("loss", 4, Category.OUTPUT, False),
+        ("gbig", 128, Category.ACTIVATION, False),
+        ("gt", 64, Category.ACTIVATION, False),
+        ("ga", 64, Category.ACTIVATION, False),
+        ("peek", 4, Category.ACTIVATION, False),
+    ]
+    tensors = tuple(Tensor(name, size, category, persistent) for name, size, category, persistent in names)
+    t = {tensor.name: TensorId(i) for i, tensor in enumerate(tensors)}
+    ops = [Op(name, "placeholder", (), (t[name],)) for name in ("x", "w")]
+    ops += [
+        Op("mm", "aten.mm.default", (t["x"], t["w"]), (t["a"],), flops=10),
+        Op("pow", "aten.pow.Tensor_Scalar", (t["a"],), (t["p"],), flops=1),
+        Op("mul.out", "aten.mul.out", (t["p"],), (t["h1"],), mutates=(t["p"],), flops=1),
+        Op("add.out", "aten.add.out", (t["a"], t["p"], t["h1"]), (t["h2"],), mutates=(t["p"],), flops=1),
+    ]
+    if intermediate_reader:
+        ops.append(Op("peek", "aten.sum.default", (t["p"], t["h2"]), (t["peek"],), flops=1))
+    ops += [
+        Op("tanh.out", "aten.tanh.out", (t["p"], t["h2"]), (t["h3"],), mutates=(t["p"],), flops=1),
+        Op("y", "aten.mul.Tensor", (t["a"], t["p"], t["h3"]), (t["y"],), flops=1),
+        Op("f", "aten.mm.default", (t["y"], t["w"]), (t["big"],), flops=10),
+        Op("loss", "aten.sum.default", (t["big"],), (t["loss"],), flops=1),
+        Op("gf", "aten.mm.default", (t["loss"], t["big"]), (t["gbig"],), flops=10),
+        Op("gt", "aten.tanh_backward.default", (t["gbig"], t["p"], t["h3"]), (t["gt"],), flops=2),
+        Op("ga", "aten.mul.Tensor", (t["gt"], t["a"]), (t["ga"],), flops=2),
+    ]
+    if not intermediate_reader:
+        tensors = tensors[:-1]
+    return Graph(tuple(ops), tensors, "chain")
+
+
+def test_an_inplace_chain_may_be_recomputed_with_its_producer() -> None:
+    graph = chain_graph()
+    limits, op = rerun_limits(graph), graph.op_index
+    for name in ("pow", "mul.out", "add.out", "tanh.out"):
+        assert limits[op[name]] > op[name], name
+    sg = identity(RematProblem(graph, 10**6))
+    rows = [[k] for k in range(sg.size)]
+    rows[op["gt"]] = sorted([op["pow"], op["gt"]])  # re-make p for the backward: the lowering re-applies the chain
+    steps = lower(sg, rows)
+    validate_sequence(graph, steps)  # every re-run reads the versions its first run read
+    runs = [i for kind, i in steps if kind == "run"]
+    again = runs[len(runs) - 1 - runs[::-1].index(op["pow"]) :]
+    links = [again.index(op[name]) for name in ("mul.out", "add.out", "tanh.out")]
+    assert links == sorted(links) and links[-1] < again.index(op["gt"])
+    assert all(runs.count(op[name]) == 2 for name in ("pow", "mul.out", "add.out", "tanh.out"))
+
+
+def test_a_chain_with_a_reader_of_an_intermediate_value_runs_once() -> None:
+    graph = chain_graph(intermediate_reader=True)
+    limits, op = rerun_limits(graph), graph.op_index
+    for name in ("pow", "mul.out", "add.out", "tanh.out"):
+        assert limits[op[name]] == op[name], name
+
+
+def test_the_cheapest_plan_recomputes_the_chain_below_the_run_once_floor() -> None:
+    """Without the chain, ``p`` would stay resident from ``pow`` to ``gt``: the budget below is
+    under that floor, and the exact solver's plan re-applies the chain and validates."""
+    graph, fixed = chain_graph(), chain_graph(intermediate_reader=True)
+    budget = sequence_peak_bytes(graph, steps_for_order(graph, range(len(graph.ops)))) - 64
+    assert memory_floor(RematProblem(fixed, budget)).bytes > budget - 4  # p held there (peek's 4 B aside)
+    plan = rematerialize(graph, budget, "checkmate", 20)
+    assert plan.feasible and plan.peak_bytes <= budget
+    validate_sequence(graph, plan.steps)
+    runs = [i for kind, i in plan.steps if kind == "run"]
+    assert runs.count(graph.op_index["pow"]) == 2 and runs.count(graph.op_index["tanh.out"]) == 2
+
+
+@pytest.mark.parametrize("make", [bn_relu_graph, residual_graph, view_graph, chain_graph])
 def test_every_decision_lowers_to_a_valid_sequence(make: object) -> None:
     """Random Checkmate ``R`` on graphs with views and in-place followers: the lowering never
     fails and its sequence passes the validator (the brute-force oracles skip decisions that

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import math
+from collections import Counter
 
 import pytest
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -12,6 +14,7 @@ import torch
 from memplan.remat.problem import RematProblem, memory_floor
 from memplan.torch.capture import capture_train_step
 from memplan.torch.capture.inplace import write_into_dying_inputs
+from memplan.torch.run.remat import RematRunner
 from memplan.torch.tensors import storage_key
 from torch import nn
 
@@ -136,6 +139,53 @@ def test_a_planned_lm_step_with_writes_over_dying_inputs_equals_eager(budget):
         loss = step(batch)
         ref_opt.zero_grad(set_to_none=True)
         ref_loss = _lm_loss(reference(batch[0]), batch[1])
+        ref_loss.backward()
+        ref_opt.step()
+        assert torch.equal(loss, ref_loss)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+class NewGELU(nn.Module):
+    """HF GPT-2's ``gelu_new`` as Python ops: the capture writes ``mul``, ``add``, ``mul`` and
+    ``tanh`` one after the other over the ``pow`` result (an in-place chain)."""
+
+    def forward(self, x):
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+class GeluNet(nn.Module):
+    def __init__(self, width: int = 64, depth: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 4 * width), NewGELU(), nn.Linear(4 * width, width)) for _ in range(depth)
+        )
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def test_a_remat_plan_reapplies_the_inplace_chain_and_equals_eager():
+    """Under half the checkpoint-all peak the plan must drop the GELU values the backward reads
+    (``tanh``'s, written into ``pow``'s storage) and re-make them: ``pow`` re-runs and the
+    chain's links after it, in order (memplan.remat.problem.inplace_chain). Bit for bit eager's."""
+    torch.manual_seed(0)
+    model, batch = GeluNet(), (torch.randn(256, 64), torch.randn(256, 64))
+    reference = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference))
+    loss_fn = nn.functional.mse_loss
+    step = memplan.compile_step(model, opt, loss_fn, batch, allocator="views", memory_budget=0.5)
+    runner = step.runners[next(iter(step.runners))]
+    assert isinstance(runner, RematRunner)
+    runs = Counter(i for kind, i in runner.steps if kind == "run")
+    rerun = Counter(runner.graph.ops[i].kind for i, count in runs.items() if count > 1)
+    assert rerun["aten.tanh.out"] >= 1 and rerun["aten.pow.Tensor_Scalar"] >= 1, rerun
+    for _ in range(3):
+        loss = step(batch)
+        ref_opt.zero_grad(set_to_none=True)
+        ref_loss = loss_fn(reference(batch[0]), batch[1])
         ref_loss.backward()
         ref_opt.step()
         assert torch.equal(loss, ref_loss)

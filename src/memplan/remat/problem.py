@@ -18,10 +18,11 @@ only that a recompute yield the same value):
 * a training-mode batch norm (:func:`recompute_skips_mutation`) writes only its running
   statistics, BUFFER tensors that its outputs do not depend on: a recompute re-runs it
   *without* that write (the runtime passes no running statistics), so it is pure;
-* an in-place op that rewrites the fresh output of a re-runnable op, and that every other
-  reader of that output reads after (``relu_`` after a batch norm, :func:`inplace_follower`)
-  is re-run together with its producer: the lowering never re-runs it on its own, only
-  right after a recompute of the producer, before the first reader (like a view).
+* in-place ops that rewrite the fresh output of a re-runnable op one after the other, and
+  that every other reader of that output reads after (``relu_`` after a batch norm; the
+  capture's writes over dying inputs: :func:`inplace_follower`, :func:`inplace_chain`) are
+  re-run together with their producer: the lowering never re-runs one on its own, only
+  right after a recompute of the producer, in order, before the first reader (like a view).
 """
 
 from __future__ import annotations
@@ -77,22 +78,54 @@ def recompute_skips_mutation(graph: Graph, v: int) -> bool:
 
 
 def inplace_follower(graph: Graph, m: int, mutated_by: dict[int, list[int]] | None = None) -> bool:
-    """Op ``m`` rewrites in place one fresh output ``t`` of another op ``p`` and can be re-run
-    exactly once after every recompute of ``p``: all of ``m``'s outputs are 0-byte handles,
-    it is ``t``'s only writer, and every other reader of ``t`` reads one of ``m``'s outputs
-    (so no reader wants the value before the write). Its other inputs (the residual of an
+    """Op ``m`` is one link of an in-place chain over a fresh output ``t`` of another op ``p``
+    (:func:`inplace_chain`) and can be re-run exactly once after every recompute of ``p``,
+    after the links before it: its outputs are 0-byte handles, and no reader wants a value of
+    ``t`` that a later re-run would have overwritten. Its other inputs (the residual of an
     in-place ``+=``) are read again by the re-run: the lowering keeps them live until then."""
+    if mutated_by is None:
+        mutated_by = {}
+        for v, op in enumerate(graph.ops):
+            for t in op.mutates:
+                mutated_by.setdefault(t, []).append(v)
     op = graph.ops[m]
-    if len(op.mutates) != 1 or is_random(op.kind) or not op.outputs:
+    if len(op.mutates) != 1:
         return False
-    t = op.mutates[0]
+    return m in inplace_chain(graph, op.mutates[0], mutated_by.get(op.mutates[0], [m]))
+
+
+def inplace_chain(graph: Graph, t: int, writers: Sequence[int]) -> tuple[int, ...]:
+    """The writers of fresh tensor ``t`` when together they form a chain the lowering can
+    re-run after a recompute of ``t``'s producer, else ``()``.
+
+    A chain ``m_1 < ... < m_K`` (``relu_`` after a batch norm; the capture's out= rewrites of
+    Chen et al. 4.1, GELU's ``pow -> mul -> add -> mul -> tanh`` written into one storage): each
+    link writes only ``t``, is not random, makes only 0-byte handles, and reads a handle of the
+    link before it (so re-made links run in order); the handles of every link but the last are
+    read by later links only; every other reader of ``t`` reads a handle of the last link
+    (it wants the final value, the one a re-run of the whole chain leaves)."""
+    writers = sorted(writers)
     p = graph.producer[t]
-    if p == m or graph.tensors[t].persistent or any(graph.tensors[u].size_bytes for u in op.outputs):
-        return False
-    if mutated_by is not None and mutated_by.get(t, [m]) != [m]:
-        return False
-    handles = set(op.outputs)
-    return all(c == m or handles & set(graph.ops[c].inputs) for c in graph.consumers[t])
+    if not writers or p < 0 or graph.tensors[t].persistent or p in writers:
+        return ()
+    handles: list[set[int]] = []
+    for m in writers:
+        op = graph.ops[m]
+        if len(op.mutates) != 1 or is_random(op.kind) or not op.outputs:
+            return ()
+        if any(graph.tensors[u].size_bytes for u in op.outputs):
+            return ()
+        if handles and not handles[-1] & set(op.inputs):
+            return ()
+        handles.append(set(op.outputs))
+    chain = set(writers)
+    for made in handles[:-1]:
+        if any(c not in chain for u in made for c in graph.consumers[u]):
+            return ()
+    last = handles[-1]
+    if any(c not in chain and not last & set(graph.ops[c].inputs) for c in graph.consumers[t]):
+        return ()
+    return tuple(writers)
 
 
 T = TypeVar("T")
@@ -122,7 +155,9 @@ def compute_rerun_limits(graph: Graph) -> list[int]:
     """``limit[v]``: a re-run of op ``v`` must come before op ``limit[v]`` first runs.
 
     ``limit[v] == v`` marks an op that must run exactly once; ``len(graph.ops)`` means no
-    limit. For a pure op reading a tensor that some later op ``m`` mutates, ``limit = m``.
+    limit. For a pure op reading a tensor that some later op ``m`` mutates, ``limit = m``
+    (not for the later links of an in-place chain over what it writes: they re-run after it);
+    a chain's producer ends its window where one of its links must.
     """
     n = len(graph.ops)
     mutated_by: dict[int, list[int]] = {}
@@ -143,8 +178,13 @@ def compute_rerun_limits(graph: Graph) -> list[int]:
         if fixed:
             limits.append(v)
             continue
-        later = [m for t in op.inputs for m in mutated_by.get(t, ()) if m > v]
+        own = op.mutates[0] if v in followers else -1  # the chain's later links re-run after this one
+        later = [m for t in op.inputs for m in mutated_by.get(t, ()) if m > v and t != own]
         limits.append(min(later, default=n))
+    for m in sorted(followers):  # a producer re-run after a link's window closed could not re-make the chain
+        p = graph.producer[graph.ops[m].mutates[0]]
+        if limits[p] > p and limits[m] > m:
+            limits[p] = min(limits[p], limits[m])
     return limits
 
 
