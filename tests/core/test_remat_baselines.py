@@ -18,7 +18,7 @@ from memplan.remat.baselines import (
     forward_nodes,
     solver_graph,
 )
-from memplan.remat.lower import InvalidPlan
+from memplan.remat.lower import InvalidPlan, validate_sequence
 from memplan.remat.problem import RematProblem
 from tests.core.naive import naive_chen_rows, naive_drop_rows, rows_for_policy_naive
 from tests.core.test_remat import _with_flops, bn_relu_graph, fwd_bwd_chain
@@ -148,3 +148,56 @@ def test_every_baseline_plans_alike_with_the_fast_and_the_naive_rows(
 ) -> None:
     fits = sum(assert_same_baseline_plans(g, monkeypatch, (1.0, 0.8, 0.6)) for g in _graphs(seed))
     assert fits > 0
+
+
+def blocks_with_a_mask(blocks: int = 6, width: int = 64) -> Graph:
+    """A transformer-like step: a small mask made first and read by every block (its edges
+    leave the forward graph no cut vertex), each block ``r -> a -> b -> r' = r + b`` with two
+    large activations, a loss, and a backward block by block reading the activations."""
+    tensors = [Tensor("x", width, Category.INPUT, True), Tensor("mask", 1)]
+    ops = [Op("x", "placeholder", (), (TensorId(0),)), Op("mask", "mm", (TensorId(0),), (TensorId(1),), flops=1)]
+
+    def tensor(name: str, size: int) -> TensorId:
+        tensors.append(Tensor(name, size))
+        return TensorId(len(tensors) - 1)
+
+    r, saved = TensorId(0), []
+    for k in range(blocks):
+        a = tensor(f"a{k}", 4 * width)
+        b = tensor(f"b{k}", 4 * width)
+        out = tensor(f"r{k}", width)
+        ops += [
+            Op(f"a{k}", "mm", (r, TensorId(1)), (a,), flops=4),
+            Op(f"b{k}", "mm", (a,), (b,), flops=4),
+            Op(f"r{k}", "add", (r, b), (out,), flops=1),
+        ]
+        saved.append((r, a, b))
+        r = out
+    tensors.append(Tensor("loss", 1, Category.OUTPUT))
+    ops.append(Op("loss", "sum", (r,), (TensorId(len(tensors) - 1),), flops=1))
+    grad = TensorId(len(tensors) - 1)
+    for k in reversed(range(blocks)):
+        r_in, a, b = saved[k]
+        gb = tensor(f"gb{k}", width)
+        ops.append(Op(f"gb{k}", "mm_backward", (grad, r_in, a, b, TensorId(1)), (gb,), flops=8))
+        grad = gb
+    return Graph(tuple(ops), tuple(tensors), "blocks")
+
+
+def test_kept_small_values_show_the_blocks_a_mask_hides() -> None:
+    """The mask reaches across every block: AP greedy finds no cut vertex and keeps every
+    activation; with the mask kept resident, the residual stream cuts the graph between blocks
+    and the per-block plan fits a budget AP greedy cannot reach."""
+    graph = blocks_with_a_mask()
+    top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
+    problem = RematProblem(graph, int(top * 0.6))
+    sg = solver_graph(problem)
+    kept, points = baselines._kept_small_candidates(sg)[0]
+    assert graph.op_index["mask"] in {v for k in kept for v in sg.groups[k]}
+    assert len(points) >= 4  # the residual stream's adds
+    assert len([k for k in baselines.articulation_points(sg) if k in set(chain_nodes(sg))]) <= 1  # the last add
+    ap = BASELINES["ap-greedy"](problem)
+    kept_plan = BASELINES["ap-kept-greedy"](problem)
+    assert not ap.feasible
+    assert kept_plan.feasible and kept_plan.peak_bytes <= problem.budget_bytes
+    validate_sequence(graph, kept_plan.steps)

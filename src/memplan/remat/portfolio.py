@@ -105,6 +105,7 @@ BASELINE_ORDER = (
     "checkpoint-all",
     "dtr",
     "chen-drop-cheap",
+    "ap-kept-greedy",
     "dtr-planned",
     "linearized-greedy",
     "ap-greedy",
