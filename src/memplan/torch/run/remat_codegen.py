@@ -40,7 +40,15 @@ from typing import Any
 import torch.fx
 
 import torch
-from memplan.torch.run.codegen import GeneratedStep, _env_names, _kernel, _mergeable, _merged, _store, _Writer
+from memplan.torch.run.codegen import (
+    GeneratedStep,
+    _env_names,
+    _kernel,
+    _mergeable,
+    _merged,
+    _store,
+    _Writer,
+)
 from memplan.torch.tensors import storage_key, tensor_leaves
 
 
@@ -165,6 +173,7 @@ def generate_remat(runner: Any) -> GeneratedStep:
     for name in _env_names(runner):
         w.emit(f"{w.var(name)} = env[{name!r}]")
     resident, peak = _modeled_resident(runner)
+    reach = _group_ends(runner)
     ran: set[int] = set()
     merging: list[Any] = []  # updates not written yet: one optimizer.step() over their parameters
     start = 0  # the step of the first of them
@@ -174,7 +183,8 @@ def generate_remat(runner: Any) -> GeneratedStep:
             continue
         ins = runner.by_op.get(i)
         if isinstance(ins, _Update):
-            if merging and _mergeable(runner, merging[-1], ins) and _holds(r, merging, resident[start : k + 1], peak):
+            window = resident[start : reach[k]]
+            if merging and _mergeable(runner, merging[-1], ins) and _holds(r, [*merging, ins], window, peak):
                 merging.append(ins)
             else:
                 r.update(merging)
@@ -193,15 +203,41 @@ def generate_remat(runner: Any) -> GeneratedStep:
     return GeneratedStep(source, namespace["step"], {"recomputes": r.recomputes, "optimizer_calls": r.calls})
 
 
-def _holds(r: _Remat, merging: list[Any], resident: list[int], peak: int) -> bool:
-    """One more update may join ``merging``'s call: the gradients that call then holds past the
-    place each would be freed without it (every tensor waiting for one of their updates) fit
-    under the sequence's modeled peak at every step they are held through, so merging never
-    raises the step's peak (:func:`_modeled_resident`)."""
-    names = [n.name for ins in merging for n in ins.grad_nodes]
+def _group_ends(runner: Any) -> list[int]:
+    """Per step, the index of the next step that runs an instruction (a call or an update), or
+    the sequence's end: an update's group runs its other ops (the optimizer's temporaries) and
+    frees before it, so a merged call holds its gradients through all of them."""
+    ends = [len(runner.steps)] * len(runner.steps)
+    nxt = len(runner.steps)
+    for k in range(len(runner.steps) - 1, -1, -1):
+        ends[k] = nxt
+        kind, i = runner.steps[k]
+        if kind == "run" and i in runner.by_op:
+            nxt = k
+    return ends
+
+
+def _holds(r: _Remat, run: list[Any], resident: list[int], peak: int) -> bool:
+    """The last update of ``run`` may join the call of the others: the gradients that call then
+    holds past the place each would be freed without it (every tensor waiting for one of their
+    updates), and the largest gradient's size once more, fit under the sequence's modeled peak
+    at every step they are held through, the joining update's own ops (its temporaries)
+    included, so merging never raises the step's peak (:func:`_modeled_resident`). The extra
+    gradient's size: one call loops over its parameters, and a local of one parameter's update
+    (AdamW's ``denom``, the parameter's size) lives on while the next one's temporaries are
+    made, where separate calls would have dropped it (the Llama of ``bench/llama_budget.py`` at
+    batch 2: 11 MiB above its plan, an MLP weight's ``denom`` beside the lm_head's update)."""
+    names = [n.name for ins in run[:-1] for n in ins.grad_nodes]
     tensors = r.runner.graph.tensors
     held = sum(tensors[t].size_bytes for name in names for t in r.deferred.get(name, ()))
-    return max(resident, default=0) + held <= peak
+    linger = max(_gradient_bytes(ins) for ins in run)
+    return max(resident, default=0) + held + linger <= peak
+
+
+def _gradient_bytes(ins: Any) -> int:
+    """The bytes of an update's gradients (its parameters' sizes), from their traced values."""
+    values = [n.meta.get("val") for n in ins.grad_nodes]
+    return sum(v.untyped_storage().nbytes() for v in values if isinstance(v, torch.Tensor))
 
 
 def _modeled_resident(runner: Any) -> tuple[list[int], int]:
