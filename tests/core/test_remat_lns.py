@@ -135,6 +135,7 @@ def test_the_portfolio_runs_the_search_on_large_models_and_keeps_its_plans_valid
     assert "neighbourhood search" not in [a["name"] for a in plain.details["attempts"]]
     monkeypatch.setattr(portfolio, "LNS_MIN_EVENTS", 0)
     monkeypatch.setattr(portfolio, "RESTRICTED_MAX_FRACTION", 0.0)  # no restricted search: the LNS finds the plan
+    monkeypatch.setattr(portfolio, "EARLY_CP_EVENTS", 0)  # the later members are under test
     forced = solve_remat(graph, problem.budget_bytes, 10.0, workers=1)
     names = [a["name"] for a in forced.details["attempts"]]
     assert forced.feasible and forced.status != "infeasible"
@@ -151,6 +152,7 @@ def test_the_search_has_the_time_left_and_the_whole_model_does_not_follow(monkey
     graph, problem, _sg, _start_plan = _start(24, 0.8)
     monkeypatch.setattr(portfolio, "LNS_MIN_EVENTS", 0)
     monkeypatch.setattr(portfolio, "RESTRICTED_MAX_FRACTION", 0.0)
+    monkeypatch.setattr(portfolio, "EARLY_CP_EVENTS", 0)  # the later members are under test
     given: list[float] = []
 
     def spend(_problem: object, _sg: object, _plan: object, seconds: float, *_args: object, **_kw: object) -> object:

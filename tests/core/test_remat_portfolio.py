@@ -309,6 +309,7 @@ def test_a_restricted_search_that_fits_nothing_proves_nothing(monkeypatch: pytes
     whole CP model; an empty restricted search never makes the answer "infeasible"."""
     from memplan.remat import portfolio
 
+    monkeypatch.setattr(portfolio, "EARLY_CP_EVENTS", 0)  # the relaxation and what follows it are under test
     graph = small_graph(19, 14)
     top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
     budget = int(top * 0.85)
@@ -520,6 +521,8 @@ def test_the_portfolio_takes_the_cut_milps_bound_and_never_leaves_its_child(monk
     plan first), also when a later member of the portfolio raises; once HiGHS has ended, its
     bound counts. A 20 s solve starts none."""
     from memplan.remat import portfolio
+
+    monkeypatch.setattr(portfolio, "EARLY_CP_EVENTS", 0)  # the relaxation (which starts HiGHS) is under test
 
     children: list[CutMilp] = []
 
@@ -929,3 +932,24 @@ def test_the_lowest_peak_within_a_compute_allowance() -> None:
     assert some.feasible and some.overhead <= 0.3 and some.peak_bytes < none.peak_bytes
     validate_sequence(graph, some.steps)
     assert some.peak_bytes == sequence_peak_bytes(graph, some.steps)
+
+
+def test_a_small_cp_model_runs_before_the_relaxation_and_may_end_the_solve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a graph whose whole CP model is small, the CP model runs right after the baselines;
+    where it proves the plan the relaxation never runs. Off, the relaxation runs first."""
+    from memplan.remat import portfolio
+
+    graph = small_graph(19, 14)
+    top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
+    budget = int(top * 0.85)
+    early = solve_remat(graph, budget, 10.0, workers=1)
+    names = [a["name"] for a in early.details["attempts"]]
+    assert names[-1] == "moccasin" and "stage-cut relaxation" not in names
+    assert early.feasible and early.gap is not None and early.gap <= portfolio.GAP_LIMIT
+    validate_sequence(graph, early.steps)
+    monkeypatch.setattr(portfolio, "EARLY_CP_EVENTS", 0)
+    late = solve_remat(graph, budget, 10.0, workers=1)
+    late_names = [a["name"] for a in late.details["attempts"]]
+    assert "stage-cut relaxation" in late_names
+    assert late_names.index("stage-cut relaxation") < late_names.index("moccasin")
+    assert abs(late.compute_cost - early.compute_cost) <= portfolio.GAP_LIMIT * late.compute_cost
