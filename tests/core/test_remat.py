@@ -256,6 +256,12 @@ def test_validate_sequence_rejects_applying_an_inplace_op_twice() -> None:
         validate_sequence(graph, twice)
 
 
+def named_tensors(spec: list[tuple[str, int, Category, bool]]) -> tuple[tuple[Tensor, ...], dict[str, TensorId]]:
+    """Tensors from ``(name, bytes, category, persistent)`` rows, and their ids by name."""
+    tensors = tuple(Tensor(name, size, category, persistent) for name, size, category, persistent in spec)
+    return tensors, {tensor.name: TensorId(i) for i, tensor in enumerate(tensors)}
+
+
 def residual_graph() -> Graph:
     """A ResNet block's tail: ``add_`` rewrites the main branch's batch norm ``b1`` in place and
     reads the shortcut's ``b2`` (made after ``b1``, so the coarsening would put ``add_`` in its
@@ -280,8 +286,7 @@ def residual_graph() -> Graph:
         ("g1", 64, Category.ACTIVATION, False),
         ("g2", 64, Category.ACTIVATION, False),
     ]
-    tensors = tuple(Tensor(name, size, category, persistent) for name, size, category, persistent in sizes)
-    t = {tensor.name: TensorId(i) for i, tensor in enumerate(tensors)}
+    tensors, t = named_tensors(sizes)
     ops = [Op(name, "placeholder", (), (t[name],)) for name in ("x", "w", "rm1", "rm2")]
     ops += [
         Op("conv1", "aten.convolution.default", (t["x"], t["w"]), (t["c1"],), flops=10),
@@ -383,8 +388,7 @@ def chain_graph(intermediate_reader: bool = False) -> Graph:
         ("ga", 64, Category.ACTIVATION, False),
         ("peek", 4, Category.ACTIVATION, False),
     ]
-    tensors = tuple(Tensor(name, size, category, persistent) for name, size, category, persistent in names)
-    t = {tensor.name: TensorId(i) for i, tensor in enumerate(tensors)}
+    tensors, t = named_tensors(names)
     ops = [Op(name, "placeholder", (), (t[name],)) for name in ("x", "w")]
     ops += [
         Op("mm", "aten.mm.default", (t["x"], t["w"]), (t["a"],), flops=10),
