@@ -136,7 +136,7 @@ def test_a_merged_update_call_counts_the_previous_parameters_temporary() -> None
 
     def update(name: str, numel: int) -> Any:
         node = SimpleNamespace(name=name, meta={"val": torch.empty(numel)})
-        return SimpleNamespace(grad_nodes=(node,))
+        return _Update(0, (name,), (node,))  # type: ignore[arg-type]
 
     big, small = update("g_big", 1000), update("g_small", 250)  # 4000 and 1000 bytes
     tensors = (Tensor("g_big", 4000), Tensor("g_small", 1000))

@@ -849,7 +849,8 @@ def _kept_small_candidates(sg: SolverGraph) -> list[tuple[set[int], list[int]]]:
     out: list[tuple[set[int], list[int]]] = []
     for fraction in KEPT_SMALL_FRACTIONS:
         kept = {k for k in chain if sg.out_bytes[k] < median * fraction}
-        points = [k for k in articulation_points(sg, kept | run_once) if k in set(chain) - kept]
+        droppable = set(chain) - kept
+        points = [k for k in articulation_points(sg, kept | run_once) if k in droppable]
         if points and all(points != seen for _, seen in out):
             out.append((kept, points))
     return out

@@ -20,7 +20,7 @@ only that a recompute yield the same value):
   *without* that write (the runtime passes no running statistics), so it is pure;
 * in-place ops that rewrite the fresh output of a re-runnable op one after the other, and
   that every other reader of that output reads after (``relu_`` after a batch norm; the
-  capture's writes over dying inputs: :func:`inplace_follower`, :func:`inplace_chain`) are
+  capture's writes over dying inputs: :func:`inplace_chain`) are
   re-run together with their producer: the lowering never re-runs one on its own, only
   right after a recompute of the producer, in order, before the first reader (like a view).
 """
@@ -77,23 +77,6 @@ def recompute_skips_mutation(graph: Graph, v: int) -> bool:
     )
 
 
-def inplace_follower(graph: Graph, m: int, mutated_by: dict[int, list[int]] | None = None) -> bool:
-    """Op ``m`` is one link of an in-place chain over a fresh output ``t`` of another op ``p``
-    (:func:`inplace_chain`) and can be re-run exactly once after every recompute of ``p``,
-    after the links before it: its outputs are 0-byte handles, and no reader wants a value of
-    ``t`` that a later re-run would have overwritten. Its other inputs (the residual of an
-    in-place ``+=``) are read again by the re-run: the lowering keeps them live until then."""
-    if mutated_by is None:
-        mutated_by = {}
-        for v, op in enumerate(graph.ops):
-            for t in op.mutates:
-                mutated_by.setdefault(t, []).append(v)
-    op = graph.ops[m]
-    if len(op.mutates) != 1:
-        return False
-    return m in inplace_chain(graph, op.mutates[0], mutated_by.get(op.mutates[0], [m]))
-
-
 def inplace_chain(graph: Graph, t: int, writers: Sequence[int]) -> tuple[int, ...]:
     """The writers of fresh tensor ``t`` when together they form a chain the lowering can
     re-run after a recompute of ``t``'s producer, else ``()``.
@@ -103,7 +86,9 @@ def inplace_chain(graph: Graph, t: int, writers: Sequence[int]) -> tuple[int, ..
     link writes only ``t``, is not random, makes only 0-byte handles, and reads a handle of the
     link before it (so re-made links run in order); the handles of every link but the last are
     read by later links only; every other reader of ``t`` reads a handle of the last link
-    (it wants the final value, the one a re-run of the whole chain leaves)."""
+    (it wants the final value, the one a re-run of the whole chain leaves). Each link is re-run
+    exactly once after every recompute of ``p``; its other inputs (the residual of an in-place
+    ``+=``) are read again by the re-run: the lowering keeps them live until then."""
     writers = sorted(writers)
     p = graph.producer[t]
     if not writers or p < 0 or graph.tensors[t].persistent or p in writers:
@@ -164,7 +149,7 @@ def compute_rerun_limits(graph: Graph) -> list[int]:
     for op_id, op in enumerate(graph.ops):
         for t in op.mutates:
             mutated_by.setdefault(t, []).append(op_id)
-    followers = {m for m in range(n) if inplace_follower(graph, m, mutated_by)}
+    followers = {m for t, writers in mutated_by.items() for m in inplace_chain(graph, t, writers)}
     limits = []
     for v, op in enumerate(graph.ops):
         fixed = (

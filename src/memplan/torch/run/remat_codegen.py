@@ -43,6 +43,7 @@ import torch
 from memplan.torch.run.codegen import (
     GeneratedStep,
     _env_names,
+    _grad_bytes,
     _kernel,
     _mergeable,
     _merged,
@@ -230,14 +231,8 @@ def _holds(r: _Remat, run: list[Any], resident: list[int], peak: int) -> bool:
     names = [n.name for ins in run[:-1] for n in ins.grad_nodes]
     tensors = r.runner.graph.tensors
     held = sum(tensors[t].size_bytes for name in names for t in r.deferred.get(name, ()))
-    linger = max(_gradient_bytes(ins) for ins in run)
+    linger = max(_grad_bytes(ins) for ins in run)
     return max(resident, default=0) + held + linger <= peak
-
-
-def _gradient_bytes(ins: Any) -> int:
-    """The bytes of an update's gradients (its parameters' sizes), from their traced values."""
-    values = [n.meta.get("val") for n in ins.grad_nodes]
-    return sum(v.untyped_storage().nbytes() for v in values if isinstance(v, torch.Tensor))
 
 
 def _modeled_resident(runner: Any) -> tuple[list[int], int]:
