@@ -47,6 +47,7 @@ from memplan.torch.capture.wrappers import refuse_unplanned_wrappers
 from memplan.torch.rss import release_free_memory
 from memplan.torch.run.allocator import alignment_for
 from memplan.torch.run.arena import LruCache, SharedArena
+from memplan.torch.run.budget import caching_allocator_capped
 from memplan.torch.run.first_state import state_step_within_eager
 from memplan.torch.run.interpreter import Plan, StepRunner, allocator_tensors, optimizer_update_groups
 from memplan.torch.run.plancache import StepCache, account_first_steps, open_plan_cache
@@ -339,6 +340,7 @@ class CompiledStep:
         self._checked: set[tuple] = set()  # templates whose program ran a full self-check
         self._first_checks: dict[int, tuple[Any, tuple]] = {}  # runner -> (runner, template key)
         self.plans_reused = 0
+        self._cache_caps: dict[int, int | None] = {}  # runner -> PyTorch's cache held to the budget (CUDA)
         self.shape_log: list[dict[str, Any]] = []  # per new (shape, mode): which plan, what it cost
 
     @property
@@ -384,7 +386,8 @@ class CompiledStep:
     def _run(self, runner: StepRunner | ReplayedStep, batch: Any) -> Any:
         if not isinstance(runner, ReplayedStep):
             if id(runner) in self._own_arena:
-                return runner(batch)
+                with caching_allocator_capped(self._cache_caps.get(id(runner))):  # issue 33: held on CUDA too
+                    return runner(batch)
             with state_step_within_eager(runner, self.model, self.optimizers):  # issue 37: run/first_state.py
                 return runner(batch)
         was_replaying, placing_seconds = runner.replaying, runner.planning_seconds
@@ -705,6 +708,7 @@ class CompiledStep:
             )
         runner = make_runner(decided.schedule)
         self._own_arena.add(id(runner))
+        self._cache_caps[id(runner)] = decided.report.get("caching_allocator_cap_bytes")
         return runner
 
     @property

@@ -73,7 +73,8 @@ import copy
 import re
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -471,9 +472,10 @@ def _plan_budget(
     steps = None if probe is None else probe.steps
     workspace = measure_op_workspace(capture, model, optimizer, batch, steps=steps) if measure_workspace else ()
     own.measure_first_runs(model, optimizer, batch)
-    warn_unmeasured_device(model)
     reference = checkpoint_all(RematProblem(graph, 10**18, workspace=workspace)).peak_bytes
     budget_bytes = budget_for(reference)
+    cache_cap = caching_allocator_cap(model, user_budget(reference))
+    warn_unmeasured_device(model, cache_cap)
     scratch = max(workspace, default=0)
     order = None if plain_order is None else tuple(plain_order)
     groups = _update_groups(capture)
@@ -489,6 +491,7 @@ def _plan_budget(
         "plain_planned_peak_bytes": plain_peak_bytes + scratch,
         "workspace_bytes_max": scratch,
         "workspace_measured_within": None if probe is None else getattr(probe, "label", "remat plan"),
+        "caching_allocator_cap_bytes": cache_cap,
     }
     if budget_bytes is not None and plain_peak_bytes + scratch <= budget_bytes:
         return BudgetPlan(None, {**report, **_reorder_only(plain_peak_bytes + scratch, "optimal")}, None, context)
@@ -763,6 +766,14 @@ def tighten_budget(decided: BudgetPlan, excess_bytes: int, placed_bytes: int | N
     if decided.context is None or decided.report.get("budget_bytes") is None:
         raise MemplanError("only a plan made for a memory_budget can be tightened")
     base = decided.solve_bytes if decided.solve_bytes is not None else decided.report["budget_bytes"]
+    if base - max(1, excess_bytes) <= 0:  # the bytes beside the plan's tensors alone exceed the budget
+        named = decided.report["budget_bytes"] + decided.context.outside_bytes
+        advice = "" if placed_bytes is None else f" to at least {format_at_least(placed_bytes)}"
+        raise InfeasibleBudget(
+            f"memory_budget {format_bytes(named)} leaves no room for this step's tensors: once placed, it needs "
+            f"{format_bytes(excess_bytes)} beyond them (the arena's layout, and on a GPU the device's own "
+            f"workspace, such as cuBLAS'): raise memory_budget{advice}"
+        )
     report = {k: v for k, v in decided.report.items() if k in _INPUT_KEYS}
     return _solve_within(decided.context, report, base - max(1, excess_bytes), None, runnable_bytes=placed_bytes)
 
@@ -829,6 +840,9 @@ class BudgetedReplay(ReplayedStep):
         self.report["recording_rounds"] = []  # re-plans before a recording step (:meth:`_recheck`)
         self.own = decided.own
         self._batch: Any = None  # the batch of the recording step being placed
+        # a refusal found once a recording step had run (its update applied): raised by the next
+        # call, before anything runs, so that no call both updates the model and raises
+        self.refusal: InfeasibleBudget | None = None
         if decided.report.get("budget_bytes") is not None:  # the device holds at most the budget from the first step
             self.native.hold_cache_within(decided.report["budget_bytes"], 0)
 
@@ -836,24 +850,38 @@ class BudgetedReplay(ReplayedStep):
         """memplan's own bytes the step's budget was lowered by (:class:`OwnBytes`)."""
         return 0 if self.decided.context is None else self.decided.context.outside_bytes
 
+    def _step(self, batch: Any) -> Any:
+        if self.refusal is not None:
+            raise self.refusal
+        return super()._step(batch)
+
     def _record(self, batch: Any) -> Any:
         """A recording step on the ordinary allocator, its large blocks mapped on their own so
         that the C library's heap does not hold their pages past their frees (:mod:`heap`).
         A plain plan's generated function is written before its first step and the heap it
         freed handed back, so no step runs on top of that; when the step places nothing, what
         the recording steps left resident is counted before the next one runs
-        (:meth:`_recheck`)."""
+        (:meth:`_recheck`). A re-plan refused after the step ran is kept for the next call
+        (:attr:`refusal`, said now in a warning): this call's update has been applied, as eager's."""
         self._batch = batch
         try:
             if self.recordings == 0:
                 self._write_ahead()
+            self.recorded = None
             with blocks_mapped():
                 result = super()._record(batch)
             if self.plan is None:
                 self._recheck()
             return result
+        except InfeasibleBudget as error:
+            if self.recorded is None:  # refused before the step ran
+                raise
+            self.refusal = error
+            warnings.warn(f"memplan: this step ran as eager would; the next is refused: {error}", stacklevel=7)
+            return self.recorded[0]
         finally:
             self._batch = None
+            self.recorded = None
 
     def _write_ahead(self) -> None:
         """A plain plan's step written as one function now (a remat plan's is written at the end
@@ -1043,16 +1071,63 @@ def format_at_least(nbytes: int) -> str:
     return f"{float(number) + 0.01:.2f} {unit}"
 
 
-def warn_unmeasured_device(model: torch.nn.Module) -> None:
+def caching_allocator_cap(model: torch.nn.Module, budget_bytes: int | None) -> int | None:
+    """The bytes PyTorch's caching allocator is held to while a budgeted step runs on CUDA without
+    the planned CUDA allocator (:func:`caching_allocator_capped`): the user's budget. None off
+    CUDA, without a byte budget, or with the planned allocator (it holds its own bound)."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if device.type != "cuda" or budget_bytes is None or _planned_cuda_allocator():
+        return None
+    return int(budget_bytes)
+
+
+@contextmanager
+def caching_allocator_capped(cap_bytes: int | None, device: Any = None) -> Iterator[None]:
+    """PyTorch's caching allocator held to ``cap_bytes`` for the block's duration
+    (``torch.cuda.set_per_process_memory_fraction``, never raised above the fraction already
+    set, put back after): before its reserved bytes would pass the cap it gives cached blocks
+    back and retries, and a request that still does not fit raises CUDA's out-of-memory error
+    rather than take more. Without it an H100 reserved 1.7% over the budget while the allocated
+    peak stayed within (GPT-2 at batch 488, bench/results/gpu_suite.md): the cache kept blocks
+    from the first steps. Scoped to memplan's step, so the user's other work is not capped."""
+    if cap_bytes is None:
+        yield
+        return
+    device = torch.cuda.current_device() if device is None else device
+    before = torch.cuda.get_per_process_memory_fraction(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(before, cap_bytes / total), device)
+    try:
+        yield
+    except torch.OutOfMemoryError as error:
+        raise InfeasibleBudget(
+            f"memory_budget {format_bytes(cap_bytes)} on cuda: the step needed more (PyTorch's caching allocator, "
+            "held to the budget, ran out; the kernels' workspace and the allocator's rounding are not planned with "
+            "arena views, and the update may have been partly applied): raise memory_budget, or install the "
+            "planned CUDA allocator (allocator='replay'), whose recorded steps count them"
+        ) from error
+    finally:
+        torch.cuda.set_per_process_memory_fraction(before, device)
+
+
+def warn_unmeasured_device(model: torch.nn.Module, cache_cap: int | None = None) -> None:
     """One warning for a budget off the CPU, where memplan has not shown that it holds: the
     kernels' scratch is not measured there, and PyTorch's caching allocator, which serves the
-    step unless the planned CUDA allocator is installed, is not held to the plan."""
+    step unless the planned CUDA allocator is installed, is capped at the budget
+    (``cache_cap``: :func:`cap_caching_allocator`) but not held to the plan."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if device.type == "cuda" and _planned_cuda_allocator():
         warnings.warn(
             "memory_budget on cuda: planned without the kernels' workspace; the planned CUDA allocator's recorded "
             "steps carry it, so the replayed steps are held to the budget (placement re-planned with the excess, "
             "the cache bounded by the headroom), but the first, recording steps may exceed it",
+            stacklevel=4,
+        )
+    elif device.type == "cuda" and cache_cap is not None:
+        warnings.warn(
+            f"memory_budget on cuda: planned without the kernels' workspace; PyTorch's caching allocator is capped "
+            f"at {format_bytes(cache_cap)} while memplan's step runs (torch.cuda.set_per_process_memory_fraction), "
+            "so a step that needs more than the budget raises CUDA's out-of-memory error rather than exceed it",
             stacklevel=4,
         )
     elif device.type != "cpu":
@@ -1118,6 +1193,8 @@ __all__ = [
     "BudgetedReplay",
     "OwnBytes",
     "RematUnsupported",
+    "caching_allocator_cap",
+    "caching_allocator_capped",
     "check_process_room",
     "check_remat_supported",
     "is_byte_budget",

@@ -134,6 +134,7 @@ class ReplayedStep:
         self._previous: AllocationTrace | None = None
         self._unverified = False  # a new plan whose first replay the native allocator wants verified
         self.diverged_in_a_row = 0
+        self.recorded: tuple[Any] | None = None  # the latest recording step's result, once it ran
 
     def __call__(self, batch: Any) -> Any:
         self.calls += 1
@@ -253,6 +254,7 @@ class ReplayedStep:
         self.native.begin_record()
         try:
             result = self.run(batch)
+            self.recorded = (result,)  # the step ran: its update is applied whatever follows
         finally:
             trace = self.native.end_record()
         # the step ran on the ordinary allocator: the C library keeps its freed blocks in a heap
