@@ -1305,7 +1305,7 @@ def _crash_state(record: dict[str, Any]) -> str:
     if record["ok"]:
         return "passed"
     if record.get("refused") and record["rc"] == 0:
-        return f"refused at {record['last_stage']} ({record['refused']})"
+        return f"refused, at: {record['last_stage']} ({record['refused']})"
     return f"FAILED (exit status {record['rc']}, at: {record['last_stage']})"
 
 
