@@ -386,7 +386,8 @@ class CompiledStep:
     def _run(self, runner: StepRunner | ReplayedStep, batch: Any) -> Any:
         if not isinstance(runner, ReplayedStep):
             if id(runner) in self._own_arena:
-                with caching_allocator_capped(self._cache_caps.get(id(runner))):  # issue 33: held on CUDA too
+                cap = self._cache_caps.get(id(runner))
+                with caching_allocator_capped(cap, self._written_state() if cap is not None else ()):  # issue 33
                     return runner(batch)
             with state_step_within_eager(runner, self.model, self.optimizers):  # issue 37: run/first_state.py
                 return runner(batch)
@@ -399,6 +400,13 @@ class CompiledStep:
         if runner.replaying and not was_replaying:
             self._fit_arena()  # placed: the arena at the size the kept plans need
         return result
+
+    def _written_state(self) -> list[torch.Tensor]:
+        """The tensors a training step writes: the model's parameters and buffers, the optimizers' state."""
+        state = [*self.model.parameters(), *self.model.buffers()]
+        for optimizer in self.optimizers:
+            state += [v for per in optimizer.state.values() for v in per.values() if isinstance(v, torch.Tensor)]
+        return state
 
     def runner_for(self, batch: Any) -> StepRunner | ReplayedStep:
         """The runner for this batch's shapes and the model's modes, planned on first use; the

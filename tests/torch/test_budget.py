@@ -433,3 +433,31 @@ def test_pytorchs_cache_is_capped_only_on_cuda_and_the_cap_none_is_a_no_op() -> 
     assert caching_allocator_cap(torch.nn.Linear(2, 2), 10**9) is None
     with caching_allocator_capped(None):
         pass
+
+
+def test_the_capped_cache_refuses_in_one_line_saying_whether_the_state_was_written(monkeypatch) -> None:
+    """PyTorch's cache is capped at the budget while the step runs and put back after; an
+    out-of-memory error inside becomes one line that says whether the step had written the
+    model's state (CUDA's calls stand in by fakes here: no GPU on CI)."""
+    from types import SimpleNamespace
+
+    from memplan.torch.run.budget import caching_allocator_capped
+
+    fraction = {0: 0.9}
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d: fraction[d])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=1000))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: fraction.__setitem__(d, f))
+    weight, buffer = torch.zeros(3), torch.zeros(2)
+    with caching_allocator_capped(500, [weight, buffer]):
+        assert fraction[0] == 0.5
+    assert fraction[0] == 0.9
+    for write in (False, True):
+        with pytest.raises(InfeasibleBudget) as err, caching_allocator_capped(500, [weight, buffer]):
+            if write:
+                weight.add_(1)
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        message = str(err.value)
+        assert "\n" not in message and fraction[0] == 0.9
+        assert ("written 1 of the model's" in message) == write
+        assert ("had written none" in message) == (not write)

@@ -1082,29 +1082,41 @@ def caching_allocator_cap(model: torch.nn.Module, budget_bytes: int | None) -> i
 
 
 @contextmanager
-def caching_allocator_capped(cap_bytes: int | None, device: Any = None) -> Iterator[None]:
+def caching_allocator_capped(
+    cap_bytes: int | None, state: Sequence[torch.Tensor] = (), device: Any = None
+) -> Iterator[None]:
     """PyTorch's caching allocator held to ``cap_bytes`` for the block's duration
     (``torch.cuda.set_per_process_memory_fraction``, never raised above the fraction already
     set, put back after): before its reserved bytes would pass the cap it gives cached blocks
-    back and retries, and a request that still does not fit raises CUDA's out-of-memory error
-    rather than take more. Without it an H100 reserved 1.7% over the budget while the allocated
-    peak stayed within (GPT-2 at batch 488, bench/results/gpu_suite.md): the cache kept blocks
-    from the first steps. Scoped to memplan's step, so the user's other work is not capped."""
+    back and retries, and a request that still does not fit is refused in one line
+    (:class:`InfeasibleBudget`) rather than take more. Without it an H100 reserved 1.7% over the
+    budget while the allocated peak stayed within (GPT-2 at batch 488, bench/results/gpu_suite.md):
+    the cache kept blocks from the first steps. Scoped to memplan's step, so the user's other work
+    is not capped. ``state``: the model's parameters and buffers (and the optimizer's state); the
+    refusal says whether the step had written any of them (by their version counters)."""
     if cap_bytes is None:
         yield
         return
     device = torch.cuda.current_device() if device is None else device
     before = torch.cuda.get_per_process_memory_fraction(device)
     total = torch.cuda.get_device_properties(device).total_memory
+    versions = [t._version for t in state]
     torch.cuda.set_per_process_memory_fraction(min(before, cap_bytes / total), device)
     try:
         yield
     except torch.OutOfMemoryError as error:
+        written = sum(t._version != v for t, v in zip(state, versions, strict=True))
+        left = (
+            f"the step had already written {written} of the model's and optimizer's tensors: restore them "
+            "from a checkpoint before training on"
+            if written
+            else "the step had written none of the model's parameters, buffers or optimizer state"
+        )
         raise InfeasibleBudget(
             f"memory_budget {format_bytes(cap_bytes)} on cuda: the step needed more (PyTorch's caching allocator, "
-            "held to the budget, ran out; the kernels' workspace and the allocator's rounding are not planned with "
-            "arena views, and the update may have been partly applied): raise memory_budget, or install the "
-            "planned CUDA allocator (allocator='replay'), whose recorded steps count them"
+            "held to the budget, ran out: the kernels' workspace and the allocator's rounding are not planned "
+            f"with arena views; {left}): raise memory_budget, or install the planned CUDA allocator "
+            "(allocator='replay'), whose recorded steps count them"
         ) from error
     finally:
         torch.cuda.set_per_process_memory_fraction(before, device)
