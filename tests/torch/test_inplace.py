@@ -189,3 +189,36 @@ def test_a_remat_plan_reapplies_the_inplace_chain_and_equals_eager():
     rerun = Counter(runner.graph.ops[i].kind for i, count in runs.items() if count > 1)
     assert rerun["aten.tanh.out"] >= 1 and rerun["aten.pow.Tensor_Scalar"] >= 1, rerun
     _assert_trains_as_eager(step, model, reference, ref_opt, loss_fn, batch)
+
+
+class AttentionOut(nn.Module):
+    """``x + tanh(x) @ w`` per block on 4-d tensors, as GPT-2's attention ends: ``matmul`` is a
+    ``bmm`` and an ``_unsafe_view`` of its output, and the capture writes the residual sum over
+    that output through the view (the ``add.out``)."""
+
+    def __init__(self, width: int = 16, heads: int = 4, depth: int = 4) -> None:
+        super().__init__()
+        self.mix = nn.ParameterList(nn.Parameter(torch.randn(heads, width, width) / width**0.5) for _ in range(depth))
+
+    def forward(self, x):
+        for w in self.mix:
+            x = x + torch.matmul(torch.tanh(x), w)
+        return x
+
+
+def test_a_view_taken_for_an_inplace_write_is_made_again_when_its_producer_reruns():
+    """Under 75% of the checkpoint-all peak the plan re-runs the ``bmm`` whose output the
+    residual ``add.out`` overwrites through a view (memplan.remat.problem.chain_previews):
+    the view is made again before the write is re-applied, bit for bit eager's."""
+    torch.manual_seed(0)
+    model, batch = AttentionOut(), (torch.randn(32, 4, 32, 16), torch.randn(32, 4, 32, 16))
+    reference = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference))
+    loss_fn = nn.functional.mse_loss
+    step = memplan.compile_step(model, opt, loss_fn, batch, allocator="views", memory_budget=0.75)
+    runner = step.runners[next(iter(step.runners))]
+    assert isinstance(runner, RematRunner)
+    runs = Counter(i for kind, i in runner.steps if kind == "run")
+    rerun = Counter(runner.graph.ops[i].kind for i, count in runs.items() if count > 1)
+    assert rerun["aten.bmm.default"] >= 1 and rerun["aten.add.out"] >= 1, rerun
+    _assert_trains_as_eager(step, model, reference, ref_opt, loss_fn, batch)
