@@ -178,17 +178,21 @@ def test_a_remat_plan_reapplies_the_inplace_chain_and_equals_eager():
     (``tanh``'s, written into ``pow``'s storage) and re-make them: ``pow`` re-runs and the
     chain's links after it, in order (memplan.remat.problem.inplace_chain). Bit for bit eager's."""
     torch.manual_seed(0)
-    model, batch = GeluNet(), (torch.randn(256, 64), torch.randn(256, 64))
+    rerun = _rerun_kinds_train_as_eager(GeluNet(), (torch.randn(256, 64), torch.randn(256, 64)), 0.5)
+    assert rerun["aten.tanh.out"] >= 1 and rerun["aten.pow.Tensor_Scalar"] >= 1, rerun
+
+
+def _rerun_kinds_train_as_eager(model: nn.Module, batch: tuple, budget: float) -> Counter:
+    """The op kinds the remat plan under ``budget`` re-runs, once its step trained as eager's (AdamW, MSE)."""
     reference = copy.deepcopy(model)
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference))
     loss_fn = nn.functional.mse_loss
-    step = memplan.compile_step(model, opt, loss_fn, batch, allocator="views", memory_budget=0.5)
+    step = memplan.compile_step(model, opt, loss_fn, batch, allocator="views", memory_budget=budget)
     runner = step.runners[next(iter(step.runners))]
     assert isinstance(runner, RematRunner)
-    runs = Counter(i for kind, i in runner.steps if kind == "run")
-    rerun = Counter(runner.graph.ops[i].kind for i, count in runs.items() if count > 1)
-    assert rerun["aten.tanh.out"] >= 1 and rerun["aten.pow.Tensor_Scalar"] >= 1, rerun
     _assert_trains_as_eager(step, model, reference, ref_opt, loss_fn, batch)
+    runs = Counter(i for kind, i in runner.steps if kind == "run")
+    return Counter(runner.graph.ops[i].kind for i, count in runs.items() if count > 1)
 
 
 class AttentionOut(nn.Module):
@@ -211,14 +215,6 @@ def test_a_view_taken_for_an_inplace_write_is_made_again_when_its_producer_rerun
     residual ``add.out`` overwrites through a view (memplan.remat.problem.chain_previews):
     the view is made again before the write is re-applied, bit for bit eager's."""
     torch.manual_seed(0)
-    model, batch = AttentionOut(), (torch.randn(32, 4, 32, 16), torch.randn(32, 4, 32, 16))
-    reference = copy.deepcopy(model)
-    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference))
-    loss_fn = nn.functional.mse_loss
-    step = memplan.compile_step(model, opt, loss_fn, batch, allocator="views", memory_budget=0.75)
-    runner = step.runners[next(iter(step.runners))]
-    assert isinstance(runner, RematRunner)
-    runs = Counter(i for kind, i in runner.steps if kind == "run")
-    rerun = Counter(runner.graph.ops[i].kind for i, count in runs.items() if count > 1)
+    batch = (torch.randn(32, 4, 32, 16), torch.randn(32, 4, 32, 16))
+    rerun = _rerun_kinds_train_as_eager(AttentionOut(), batch, 0.75)
     assert rerun["aten.bmm.default"] >= 1 and rerun["aten.add.out"] >= 1, rerun
-    _assert_trains_as_eager(step, model, reference, ref_opt, loss_fn, batch)
