@@ -187,7 +187,9 @@ def _rerun_kinds_train_as_eager(model: nn.Module, batch: tuple, budget: float) -
     reference = copy.deepcopy(model)
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference))
     loss_fn = nn.functional.mse_loss
-    step = memplan.compile_step(model, opt, loss_fn, batch, allocator="views", memory_budget=budget)
+    step = memplan.compile_step(
+        model, opt, loss_fn, batch, allocator="views", memory_budget=budget, time_limit_seconds=3
+    )
     runner = step.runners[next(iter(step.runners))]
     assert isinstance(runner, RematRunner)
     _assert_trains_as_eager(step, model, reference, ref_opt, loss_fn, batch)
