@@ -5,9 +5,9 @@ to the budget, where remat in program order starts from program order's peak (an
 from __future__ import annotations
 
 from memplan.graph.check import validate_graph, validate_order
-from memplan.graph.ir import Category, Graph, Op, Tensor
+from memplan.graph.ir import Category, Graph, Op, Tensor, TensorId
 from memplan.graph.liveness import peak_bytes
-from memplan.remat.baselines import peak_greedy
+from memplan.remat.baselines import ap_kept_greedy, peak_greedy
 from memplan.remat.lower import sequence_peak_bytes, validate_sequence
 from memplan.remat.portfolio import solve_remat, solve_remat_in_order
 from memplan.remat.problem import RematProblem, memory_floor
@@ -88,3 +88,31 @@ def test_below_both_floors_is_infeasible_and_says_the_lower_floor() -> None:
     assert none.status == "infeasible" and not none.steps
     assert none.details["floor_bytes"] == PERSISTENT + 80
     assert none.details["lowest_peak_bytes"] == PERSISTENT + 80  # the greedy at the floor: a peak a plan reaches
+
+
+def test_below_the_floors_the_advice_is_the_lowest_peak_either_greedy_reaches_and_a_plan_reaches_it() -> None:
+    """Proven infeasible by the floors, the refusal's advice is the lower of the two greedies'
+    peaks at the floor (the greedy at the peak, per-block checkpoints: on GPT-2 with 12 layers at
+    batch 30 the first alone named 7.03 GiB for a 3.37 GiB floor, the second 3.50 GiB), and a
+    solve at that budget finds a plan."""
+    from tests.core.test_remat_baselines import blocks_with_a_mask
+
+    base = blocks_with_a_mask()
+    aux = TensorId(len(base.tensors))  # an op off the blocks' path, so that another order exists
+    graph = Graph(
+        (*base.ops, Op("aux", "sum", (TensorId(0),), (aux,), flops=1)),
+        (*base.tensors, Tensor("aux", 1, Category.OUTPUT)),
+    )
+    n = len(graph.ops)
+    order = [0, n - 1, *range(1, n - 1)]
+    floor = memory_floor(RematProblem(graph, 10**9)).bytes
+    none = solve_remat_in_order(graph, order, floor - 1, 2.0, workers=1)
+    assert none.status == "infeasible" and not none.steps
+    staged = Graph(tuple(graph.ops[v] for v in order), graph.tensors)
+    near = RematProblem(staged, none.details["floor_bytes"], max_solver_nodes=10**9)
+    reached = [p.peak_bytes for p in (peak_greedy(near), ap_kept_greedy(near)) if p.steps]
+    advice = none.details["lowest_peak_bytes"]
+    assert advice == min(reached) >= none.details["floor_bytes"]
+    there = solve_remat_in_order(graph, order, advice, 2.0, workers=1)
+    assert there.feasible and there.peak_bytes <= advice
+    validate_sequence(graph, there.steps)
