@@ -388,14 +388,22 @@ def test_the_advice_names_the_reordered_peak_when_no_remat_plan_is_smaller() -> 
     assert f"raise memory_budget to at least {format_at_least(reordered)}" in message
 
 
-def test_a_refusal_found_after_a_recording_step_ran_is_raised_by_the_next_call(monkeypatch: pytest.MonkeyPatch):
+@pytest.mark.parametrize("seen", ["device bytes at placement", "growth before the next recording"])
+def test_a_refusal_found_after_a_recording_step_ran_is_raised_by_the_next_call(
+    seen: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On a GPU the device holds bytes besides the step (cuBLAS' workspace, ~65 MiB on an H100)
-    that only a recorded step shows. When they leave the budget no room, the call whose step ran
-    returns its result, trained exactly as eager's, with a warning; the next call raises before
-    anything runs, so no call both updates the model and raises (an H100 raised after the update)."""
+    that only a recorded step shows; on the CPU a recording step can leave memplan's own bytes
+    grown. When they leave the budget no room, the call whose step ran returns its result,
+    trained exactly as eager's, with a warning; the next call raises before anything runs, so no
+    call both updates the model and raises (an H100 raised after the update)."""
     from memplan.torch.run.allocator import NativeReplay
+    from memplan.torch.run.budget import BudgetedReplay
 
-    monkeypatch.setattr(NativeReplay, "persistent_in_use", lambda self, arena, kept: 2**30)
+    if seen == "device bytes at placement":
+        monkeypatch.setattr(NativeReplay, "persistent_in_use", lambda self, arena, kept: 2**30)
+    else:
+        monkeypatch.setattr(BudgetedReplay, "_own_growth", lambda self: 2**30)
     model = _mlp()
     eager = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

@@ -864,21 +864,24 @@ class BudgetedReplay(ReplayedStep):
         (:meth:`_recheck`). A re-plan refused after the step ran is kept for the next call
         (:attr:`refusal`, said now in a warning): this call's update has been applied, as eager's."""
         self._batch = batch
+        ran: tuple[Any] | None = None
         try:
             if self.recordings == 0:
                 self._write_ahead()
             self.recorded = None
             with blocks_mapped():
                 result = super()._record(batch)
+            ran = (result,)
             if self.plan is None:
                 self._recheck()
             return result
         except InfeasibleBudget as error:
-            if self.recorded is None:  # refused before the step ran
+            ran = ran or self.recorded  # the step ran when placing (or the re-check after) refused
+            if ran is None:  # refused before the step ran
                 raise
             self.refusal = error
             warnings.warn(f"memplan: this step ran as eager would; the next is refused: {error}", stacklevel=7)
-            return self.recorded[0]
+            return ran[0]
         finally:
             self._batch = None
             self.recorded = None

@@ -134,7 +134,7 @@ class ReplayedStep:
         self._previous: AllocationTrace | None = None
         self._unverified = False  # a new plan whose first replay the native allocator wants verified
         self.diverged_in_a_row = 0
-        self.recorded: tuple[Any] | None = None  # the latest recording step's result, once it ran
+        self.recorded: tuple[Any] | None = None  # a recording step's result, once it ran, until it returns
 
     def __call__(self, batch: Any) -> Any:
         self.calls += 1
@@ -264,11 +264,13 @@ class ReplayedStep:
         if getattr(self.run, "last_step_observed", False):
             if self.keep_observed and self._observed is None:
                 self._observed = trace
+            self.recorded = None
             return result  # the self-check's dispatch mode changed this step's allocations: record again
         steady = self._previous is not None and self._previous.sizes == trace.sizes
         if steady or self.place_after <= 1 or self.recordings >= MAX_RECORDINGS:
-            self._plan(trace)
+            self._plan(trace)  # may raise (a budget refused): ``recorded`` then still holds the result
         self._previous = trace
+        self.recorded = None  # not kept past the call: it may be a large output
         return result
 
     def _plan(self, trace: AllocationTrace) -> None:
