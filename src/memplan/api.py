@@ -387,7 +387,9 @@ class CompiledStep:
         if not isinstance(runner, ReplayedStep):
             if id(runner) in self._own_arena:
                 cap = self._cache_caps.get(id(runner))
-                with caching_allocator_capped(cap, self._written_state() if cap is not None else ()):  # issue 33
+                if cap is None:
+                    return runner(batch)
+                with caching_allocator_capped(cap, self._written_state()):  # issue 33: held on CUDA too
                     return runner(batch)
             with state_step_within_eager(runner, self.model, self.optimizers):  # issue 37: run/first_state.py
                 return runner(batch)

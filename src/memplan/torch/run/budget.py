@@ -868,7 +868,6 @@ class BudgetedReplay(ReplayedStep):
         try:
             if self.recordings == 0:
                 self._write_ahead()
-            self.recorded = None
             with blocks_mapped():
                 result = super()._record(batch)
             ran = (result,)
@@ -1129,7 +1128,7 @@ def warn_unmeasured_device(model: torch.nn.Module, cache_cap: int | None = None)
     """One warning for a budget off the CPU, where memplan has not shown that it holds: the
     kernels' scratch is not measured there, and PyTorch's caching allocator, which serves the
     step unless the planned CUDA allocator is installed, is capped at the budget
-    (``cache_cap``: :func:`cap_caching_allocator`) but not held to the plan."""
+    (``cache_cap``: :func:`caching_allocator_cap`) but not held to the plan."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if device.type == "cuda" and _planned_cuda_allocator():
         warnings.warn(
@@ -1142,7 +1141,7 @@ def warn_unmeasured_device(model: torch.nn.Module, cache_cap: int | None = None)
         warnings.warn(
             f"memory_budget on cuda: planned without the kernels' workspace; PyTorch's caching allocator is capped "
             f"at {format_bytes(cache_cap)} while memplan's step runs (torch.cuda.set_per_process_memory_fraction), "
-            "so a step that needs more than the budget raises CUDA's out-of-memory error rather than exceed it",
+            "so a step that needs more than the budget is refused in one line rather than exceed it",
             stacklevel=4,
         )
     elif device.type != "cpu":
