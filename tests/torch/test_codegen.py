@@ -236,3 +236,64 @@ def test_the_update_matcher_finds_the_tensors_pytree_finds_in_the_same_order():
     found: list = []
     _tensors_in(value, found)
     assert [id(t) for t in found] == [id(t) for t in tensor_leaves(value)] == [id(a), id(b), id(c), id(d)]
+
+
+class _Noisy(torch.nn.Module):
+    """Random factories in the forward, as ViTMAE's masking draws ``torch.rand(batch, patches)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        noise = torch.rand(4, 8)
+        keep = torch.argsort(noise, dim=1)[:, :5]
+        return (torch.gather(self.w * x, 1, keep) * torch.randn(4, 5)).sum()
+
+
+@pytest.mark.parametrize("allocator", ALLOCATORS)
+def test_random_factories_draw_what_eager_draws_from_the_first_call(allocator: str) -> None:
+    """The generated code's binding proofs once ran ``aten.rand`` for real on the CPU (a factory
+    has no tensor argument to make meta): the first call drew three times, trained on the third
+    draw and left the generator two draws ahead, silently. Every call now matches eager's bits
+    and leaves the generator where eager leaves it."""
+    torch.manual_seed(0)
+    model, x = _Noisy(), torch.randn(4, 8)
+    twin = _Noisy()
+    twin.load_state_dict(model.state_dict())
+    opt, twin_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(twin.parameters(), lr=0.1)
+
+    @memplan.compile(model=model, optimizer=opt, allocator=allocator)
+    def step(batch: torch.Tensor) -> torch.Tensor:
+        loss = model(batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for call in range(3):
+        torch.manual_seed(10 + call)
+        ours, ours_state = step(x), torch.get_rng_state()
+        torch.manual_seed(10 + call)
+        loss = twin(x)
+        loss.backward()
+        twin_opt.step()
+        twin_opt.zero_grad(set_to_none=True)
+        assert torch.equal(ours, loss), call
+        assert torch.equal(ours_state, torch.get_rng_state()), call
+        assert torch.equal(model.w, twin.w), call
+
+
+def test_a_factorys_binding_proof_runs_no_kernel() -> None:
+    """The proof of ``aten.rand``'s binding runs on the meta device: the generator stays put
+    (``torch.rand`` fills in the dtype, so the op keeps its boxed call)."""
+    from memplan.torch.run.codegen import _direct_binding
+
+    def step(x):
+        return torch.ops.aten.mul.Tensor(x, torch.ops.aten.rand.default([4, 8], device=torch.device("cpu")))
+
+    nodes = _traced_ops(step, torch.randn(4, 8))
+    rand = next(n for n in nodes if n.target is torch.ops.aten.rand.default)
+    before = torch.get_rng_state()
+    assert _direct_binding(rand.target, rand, {}) is None
+    assert torch.equal(before, torch.get_rng_state())

@@ -266,6 +266,8 @@ def _direct_binding(op: torch._ops.OpOverload, node: torch.fx.Node, extra: dict[
     with _disable_current_modes(), torch.no_grad():
         try:
             args, kwargs = _meta_call_args(node, extra)
+            if not _all_on_meta(args, kwargs):
+                return None  # a factory on the default device would run for real: it keeps its boxed call
             reference = _recorded(op._op, args, kwargs)
         except Exception:  # no meta value or meta kernel: the op keeps its boxed call
             return None
@@ -328,10 +330,15 @@ def _same_value(a: Any, b: Any) -> bool:
 
 def _meta_call_args(node: torch.fx.Node, extra: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     """``node``'s arguments (and ``extra``) with every tensor a meta tensor of its layout, one
-    per fx value (a value passed twice is the same meta tensor twice)."""
+    per fx value (a value passed twice is the same meta tensor twice), and every device the meta
+    device: a factory's proof (``aten.rand``, ``aten.zeros``: no tensor argument) must not run
+    its kernel for real, which would allocate its output and draw from the generator the step
+    draws from."""
     made: dict[int, torch.Tensor] = {}
 
     def meta(value: Any) -> Any:
+        if isinstance(value, torch.device):
+            return META
         if not isinstance(value, torch.Tensor):
             return value
         if id(value) not in made:
@@ -343,10 +350,20 @@ def _meta_call_args(node: torch.fx.Node, extra: dict[str, Any]) -> tuple[tuple, 
             raise LookupError(n.name)
         return pytree.tree_map(meta, n.meta["val"])
 
-    args = pytree.tree_map_only(torch.fx.Node, fake, tuple(node.args))
-    kwargs = pytree.tree_map_only(torch.fx.Node, fake, dict(node.kwargs))
+    args = pytree.tree_map(meta, pytree.tree_map_only(torch.fx.Node, fake, tuple(node.args)))
+    kwargs = pytree.tree_map(meta, pytree.tree_map_only(torch.fx.Node, fake, dict(node.kwargs)))
     kwargs.update(pytree.tree_map(meta, extra))
     return args, kwargs
+
+
+META = torch.device("meta")
+
+
+def _all_on_meta(args: tuple, kwargs: dict[str, Any]) -> bool:
+    """The call names a device, meta, for what it makes: a tensor argument or a device (a
+    factory without one makes its output on the default device)."""
+    leaves = pytree.tree_leaves((args, kwargs))
+    return any(isinstance(x, torch.Tensor) or x == META for x in leaves if isinstance(x, torch.Tensor | torch.device))
 
 
 def _call_signature(op: Any, node: torch.fx.Node, extra: dict[str, Any] | None) -> Any:
