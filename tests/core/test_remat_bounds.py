@@ -233,3 +233,17 @@ def test_the_exact_cover_bound_is_below_every_plan_in_program_order(seed: int, n
     optimum = cheapest(all_plans(graph), problem.budget_bytes, in_order=True)
     if optimum is not None:
         assert bound.cost <= optimum + 1e-9
+
+
+def test_a_plan_at_the_plain_cost_under_the_bound_is_optimal_without_a_caveat() -> None:
+    """In program order this graph has no plan at this budget, so the drop cover's bound (for
+    that scope) is far above the plain step; the lowering runs an op first later and reaches
+    the plain cost, which no plan beats: "optimal", with no word of an unproven plan."""
+    graph = _recosted(small_graph(648406, 5), 648406)
+    top = checkpoint_all(RematProblem(graph, 10**9)).peak_bytes
+    problem = RematProblem(graph, int(top * 0.99))
+    assert cheapest(all_plans(graph), problem.budget_bytes, in_order=True) is None
+    assert drop_cover_bound(problem).cost > problem.plain_cost
+    plan = solve_remat(graph, problem.budget_bytes, 5.0, workers=1)
+    assert plan.feasible and plan.compute_cost == problem.plain_cost
+    assert plan.status == "optimal" and plan.gap == 0.0 and plan.message == ""

@@ -748,8 +748,9 @@ class _Portfolio:
         # A plan below the bound is outside its scope (the lowering dropped an unread first run,
         # so the op first runs later than program order): it beats every plan of the scope,
         # which proves nothing about the plans outside it.
-        below = self.bound is not None and best.compute_cost < self.bound * (1 - 1e-9)
-        optimal = best.compute_cost <= best.plain_cost or (not below and (self.proved_optimal or gap == 0.0))
+        plain = best.compute_cost <= best.plain_cost  # no re-run at all: optimal over every plan
+        below = not plain and self.bound is not None and best.compute_cost < self.bound * (1 - 1e-9)
+        optimal = plain or (not below and (self.proved_optimal or gap == 0.0))
         plan = RematSchedule(
             "portfolio",
             best.budget_bytes,
