@@ -800,8 +800,11 @@ def compile(  # the name PyTorch users know (torch.compile)
     decorator when ``fn`` is omitted. A step is planned on its first call for each batch
     shape (at most ``max_plans`` kept, least recently used evicted; one arena for all).
     The tensor ops of ``fn`` are what runs afterwards: Python side effects other than
-    those calls (a counter, a print) happen at capture only, and a step that reads a
-    tensor's value to decide what to do is refused. ``executor="interpreted"`` walks the
+    those calls (a print) happen at capture only, and Python values the step reads (a
+    global the caller changes between calls) are frozen there: pass them in the batch as
+    tensors. A step that reads a tensor's value to decide what to do, passes its ops other
+    numbers from one call to the next (a counter it keeps), or sets the random generator
+    (a seed, ``torch.utils.checkpoint`` around dropout) is refused. ``executor="interpreted"`` walks the
     planned program op by op (the reference) instead of running it as one generated function.
 
     ``memory_budget`` trades compute for memory, as ``torch.utils.checkpoint`` and

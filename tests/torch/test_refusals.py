@@ -7,6 +7,12 @@
   router casts its classifier on every call, is the real case.
 - Wrappers memplan does not plan (FSDP2, FSDP1, DDP, torch.compile, DTensor parameters) are
   refused by name before capture (memplan.torch.capture.wrappers).
+- A step that sets the random generator and draws after it (``torch.utils.checkpoint`` around
+  dropout, a ``torch.manual_seed`` in the step), or leaves it set, is refused in one line with
+  the generator and the model as they were (memplan.torch.capture.generator); a checkpoint
+  around code without random ops trains bit for bit.
+- A step whose ops get other Python numbers from one call to the next (a counter the model
+  keeps, an annealed temperature) is refused in one line: a plan would freeze the first value.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch.distributed as dist
 
 import memplan
 import torch
-from memplan.errors import DynamicShape, ModuleCast, UnplannedWrapper
+from memplan.errors import CaptureError, DynamicShape, ModuleCast, UnplannedWrapper, UnsupportedOp
 from memplan.torch.capture.wrappers import refuse_unplanned_wrappers
 from memplan.torch.equivalence import differences, snapshot
 
@@ -304,3 +310,117 @@ def test_data_parallel_is_refused_over_several_gpus_only() -> None:
     several.device_ids = [0, 1]  # what DataParallel holds on a 2-GPU machine (this one has none)
     with pytest.raises(UnplannedWrapper, match="DataParallel over 2 GPUs"):
         refuse_unplanned_wrappers(several)
+
+
+# ---------------------------------------------------------------- the random generator inside the step
+
+
+class Checkpointed(torch.nn.Module):
+    """A block under ``torch.utils.checkpoint`` (non-reentrant, RNG state preserved), with or
+    without dropout in it."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 2)
+        self.dropout = dropout
+
+    def block(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(torch.relu(h), self.dropout, self.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.utils.checkpoint.checkpoint(self.block, self.a(x), use_reentrant=False))
+
+
+def _refused_untouched(model: torch.nn.Module, step_body: Callable, match: str) -> None:
+    """The first call raises ``UnsupportedOp`` matching ``match``, in one line, and leaves the
+    model, the optimizer and the random generator as they were."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = copy.deepcopy(model.state_dict())
+    step = memplan.compile(lambda b: step_body(model, opt, b), model=model, optimizer=opt)
+    batch = _batch()
+    torch.manual_seed(3)
+    rng = torch.get_rng_state()
+    with pytest.raises(UnsupportedOp, match=match) as refused:
+        step(batch)
+    assert "\n" not in str(refused.value)
+    assert torch.equal(rng, torch.get_rng_state())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and not opt.state
+
+
+def _plain_step(model: torch.nn.Module, opt: torch.optim.Optimizer, b: tuple) -> torch.Tensor:
+    loss = torch.nn.functional.mse_loss(model(b[0]), b[1])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def test_checkpoint_around_dropout_is_refused_where_a_replay_would_draw_another_mask() -> None:
+    """Eager's checkpoint sets the generator back to redraw the forward's mask in the backward;
+    the planned step replays ops, not generator calls (it trained on another mask, silently)."""
+    _refused_untouched(Checkpointed(0.3), _plain_step, "under torch.utils.checkpoint")
+
+
+def test_checkpoint_around_code_without_random_ops_trains_bit_for_bit() -> None:
+    torch.manual_seed(0)
+    _train_both(Checkpointed(0.0), _batch(), torch.nn.functional.mse_loss)
+
+
+def test_a_seed_inside_the_step_is_refused_before_a_draw_and_after_the_last() -> None:
+    def seeded_first(model, opt, b):
+        torch.manual_seed(123)
+        return _plain_step(model, opt, b)
+
+    def seeded_last(model, opt, b):
+        loss = _plain_step(model, opt, b)
+        torch.manual_seed(123)
+        return loss
+
+    torch.manual_seed(0)
+    _refused_untouched(Checkpointed(0.3).requires_grad_(True), seeded_first, "after setting the random generator")
+    torch.manual_seed(0)
+    _refused_untouched(Checkpointed(0.0), seeded_last, "leaves it elsewhere")
+
+
+# ---------------------------------------------------------------- Python numbers that change between calls
+
+
+class Annealed(torch.nn.Module):
+    """Scales its hidden layer by a temperature it anneals on every call, in Python."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 2)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        temperature = max(0.5, 1.0 - 0.1 * self.calls)
+        return self.b(torch.relu(self.a(x)) / temperature)
+
+
+def test_a_number_the_step_changes_each_call_is_refused_not_frozen() -> None:
+    """The first plan would divide by the capture's temperature forever (it trained silently
+    otherwise); capture's two runs pass the op 0.9, then 0.8."""
+    model = Annealed()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = copy.deepcopy(model.state_dict())
+    step = memplan.compile(lambda b: _plain_step(model, opt, b), model=model, optimizer=opt)
+    with pytest.raises(CaptureError, match="other Python numbers in two runs") as refused:
+        step(_batch())
+    assert "\n" not in str(refused.value) and "0.9" in str(refused.value)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and not opt.state
+
+
+def test_two_runs_are_compared_only_where_they_made_the_same_ops() -> None:
+    from memplan.torch.capture.fake import op_scalars
+    from memplan.torch.capture.literals import check_scalars_repeat
+
+    mul, add = torch.ops.aten.mul.Tensor, torch.ops.aten.add.Tensor
+    nan = op_scalars((torch.ones(2), float("nan"), torch.tensor(3.0)), {"alpha": 2})
+    assert nan == ("nan", 3.0, 2)  # a wrapped number's value; NaN equal to itself
+    check_scalars_repeat([(mul, (2,)), (add, nan)], [(mul, (2,)), (add, nan)])
+    check_scalars_repeat([(mul, (1,))], [(mul, (1,)), (add, (5,))])  # a cache the first run filled: not compared
+    check_scalars_repeat(None, [(mul, (3,))])
+    with pytest.raises(CaptureError, match="1, then 2"):
+        check_scalars_repeat([(mul, (1,)), (add, (5,))], [(mul, (2,)), (add, (5,))])

@@ -4,6 +4,9 @@ touches the user's objects."""
 from __future__ import annotations
 
 import copy
+import math
+from collections.abc import Callable
+from typing import Any
 
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
@@ -12,7 +15,7 @@ import torch
 
 
 class CaptureFakeMode(FakeTensorMode):
-    """The FakeTensorMode of capture. Two things differ from PyTorch's, in this class only (no
+    """The FakeTensorMode of capture. Three things differ from PyTorch's, in this class only (no
     other fake mode of the process changes):
 
     - fake kernels for the ops whose meta function is narrower than their CPU kernel:
@@ -21,15 +24,35 @@ class CaptureFakeMode(FakeTensorMode):
       kernel's rules);
     - every literal the step makes from Python values (``torch.tensor(0)``: a real tensor
       lifted into the mode) is recorded in ``literals``, so capture can check that two runs of
-      the step make the same ones (:mod:`memplan.torch.capture.literals`).
+      the step make the same ones (:mod:`memplan.torch.capture.literals`);
+    - every random op is reported to capture's ``generator_watch``, which refuses one drawn after
+      the step set the generator (:mod:`memplan.torch.capture.generator`);
+    - while ``scalar_log`` is a list, each op outside the optimizers' calls is logged with the
+      Python numbers it was given, so capture can check that two runs of the step pass the same
+      ones (:func:`memplan.torch.capture.literals.check_scalars_repeat`).
     """
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.literals: list[torch.Tensor] = []
+        self.generator_watch: Any = None  # capture's GeneratorWatch (memplan.torch.capture.generator)
+        self.scalar_log: list[tuple[Any, tuple]] | None = None  # (op, its Python numbers) per op, while logging
+        self.logging: Callable[[], bool] = lambda: True  # capture: outside the optimizers' calls
+        self._depth = 0  # dispatches in progress: an op a decomposition makes inside another is not logged
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.generator_watch is not None and torch.Tag.nondeterministic_seeded in func.tags:
+            self.generator_watch.drew(func)
+        if self.scalar_log is not None and not self._depth and self.logging():
+            self.scalar_log.append((func, op_scalars(args, kwargs)))  # the step's own ops, not a kernel's decomposition
+        self._depth += 1
+        try:
+            return self._dispatch(func, types, args, kwargs)
+        finally:
+            self._depth -= 1
+
+    def _dispatch(self, func, types, args, kwargs):
         if func in _LIFTS and args and isinstance(args[0], torch.Tensor) and not is_fake(args[0]):
             self.literals.append(args[0].detach().clone())
         if func is torch.ops.aten._grouped_mm.default:
@@ -42,6 +65,31 @@ class CaptureFakeMode(FakeTensorMode):
 
 
 _LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+
+
+def op_scalars(args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """The Python numbers an op is given: its int, float and bool arguments (sizes included)
+    and the 0-dim real tensors a call wraps a number in (``h * 2``); NaN as a string, so a NaN
+    argument compares equal to itself."""
+    out: list[Any] = []
+    _numbers(args, out)
+    _numbers(tuple(kwargs.values()), out)
+    return tuple(out)
+
+
+def _numbers(values: tuple | list, out: list[Any]) -> None:
+    for value in values:
+        if isinstance(value, tuple | list):
+            _numbers(value, out)
+        elif isinstance(value, torch.Tensor):
+            if value.dim() == 0 and not is_fake(value) and value.device.type != "meta":
+                out.append(_number(value.item()))
+        elif isinstance(value, bool | int | float):
+            out.append(_number(value))
+
+
+def _number(value: Any) -> Any:
+    return "nan" if isinstance(value, float) and math.isnan(value) else value
 
 
 def take_literals(mode: FakeTensorMode) -> list[torch.Tensor] | None:

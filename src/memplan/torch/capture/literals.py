@@ -82,3 +82,30 @@ def _short(t: torch.Tensor) -> str:
     if t.numel() <= 4:
         return f"torch.tensor({t.tolist()!r}, dtype={t.dtype})"
     return f"a {tuple(t.shape)} {t.dtype} tensor"
+
+
+def check_scalars_repeat(earlier: list[tuple[Any, tuple]] | None, later: list[tuple[Any, tuple]] | None) -> None:
+    """Raise :class:`CaptureError` when two runs of the step (the untraced one, then the traced
+    one) made the same ops outside the optimizers' calls but passed one of them other Python
+    numbers: the step reads Python state that changes from call to call (a counter it keeps,
+    an annealed temperature), which a plan would freeze at its capture value. Runs that made
+    other ops (a cache the first run filled, a lazy module) are not compared; ops given no
+    numbers are left out of both (the modes a run is traced in add some: ``prim.device``,
+    ``detach``). ``None``: not logged, nothing to check."""
+    if earlier is None or later is None:
+        return
+    earlier, later = [e for e in earlier if e[1]], [e for e in later if e[1]]
+    if [op for op, _ in earlier] != [op for op, _ in later]:
+        return
+    for (op, before), (_, after) in zip(earlier, later, strict=True):
+        if before != after:
+            raise CaptureError(
+                f"the step passes {op} other Python numbers in two runs ({_numbers(before, after)}): it reads Python "
+                "state that changes from call to call (a counter, an annealed value?); a plan would freeze it: pass "
+                "it in the batch as a tensor or keep it in a buffer"
+            )
+
+
+def _numbers(before: tuple, after: tuple) -> str:
+    changed = [(a, b) for a, b in zip(before, after, strict=False) if a != b] or [(before, after)]
+    return f"{changed[0][0]!r}, then {changed[0][1]!r}"

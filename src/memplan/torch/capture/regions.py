@@ -105,6 +105,10 @@ class RegionRecorder:
         self.regions = []
         self.stand_ins = 0
 
+    def outside_calls(self) -> bool:
+        """No call of a stateful object is running (its ops are its own, made for real at run time)."""
+        return self._depth == 0
+
     def _wrap(self, owner: Any, role: str, method: str, bound: Callable) -> Callable:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if self._depth:

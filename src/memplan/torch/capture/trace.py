@@ -15,10 +15,11 @@ the random stream, never changes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,9 +32,10 @@ from memplan.errors import CaptureError, DataDependentControlFlow, DynamicShape,
 from memplan.graph.check import validate_graph
 from memplan.graph.ir import Category, Graph, Op, OpId, Tensor, TensorId
 from memplan.torch.capture.casts import guarded_casts
-from memplan.torch.capture.fake import fake_clone_module, fake_mode_of, new_fake_mode, take_literals
+from memplan.torch.capture.fake import CaptureFakeMode, fake_clone_module, fake_mode_of, new_fake_mode, take_literals
+from memplan.torch.capture.generator import watching_generators
 from memplan.torch.capture.hf_masks import MaskGuard, follow_mask_shortcuts
-from memplan.torch.capture.literals import check_literals_repeat, same_literals
+from memplan.torch.capture.literals import check_literals_repeat, check_scalars_repeat, same_literals
 from memplan.torch.capture.marks import BACKWARD_MARK, CALL_KIND, CALL_MARK, RELEASE_KIND
 from memplan.torch.capture.regions import CallRegion, RegionRecorder
 from memplan.torch.capture.steady import (
@@ -252,15 +254,23 @@ def _capture_traced(
         return fn(pytree.tree_unflatten(flat_batch, spec))
 
     recorder = RegionRecorder(model, optimizers, scaler, objects.schedulers)
-    with FakeSwap(mode, model, optimizers, scaler), guarded_casts(model), recorder.installed():
+    with (
+        watching_generators(mode) as generators,
+        FakeSwap(mode, model, optimizers, scaler),
+        guarded_casts(model),
+        recorder.installed(),
+    ):
         take_literals(mode)
+        logged = isinstance(mode, CaptureFakeMode) and like is None and warm is None
         if warm is not None:
             warm_optimizers(model, optimizers, mode, warm)
         elif like is None:
-            with mode:  # creates the optimizers' state lazily (plan the steady state), shows the literals
+            # creates the optimizers' state lazily (plan the steady state), shows the literals and numbers
+            with mode, generators.run(), scalars_logged(mode, recorder, logged):
                 _guarded(run, flat)
             _refuse_leftover_gradients(model)
         earlier_literals = take_literals(mode) if like is None and warm is None else None
+        earlier_scalars = mode.scalar_log if logged else None
         recorder.reset()
         with mode:
             grads = _GradRecorder(model)
@@ -268,10 +278,13 @@ def _capture_traced(
         start = time.perf_counter()
         mask_guards: list[MaskGuard] = []
         try:
-            with follow_mask_shortcuts(batch, mask_guards):
+            with follow_mask_shortcuts(batch, mask_guards), generators.run(), scalars_logged(mode, recorder, logged):
                 gm = _trace(run, flat)
+            check_scalars_repeat(earlier_scalars, mode.scalar_log if logged else None)
         finally:
             grads.remove()
+            if logged:
+                mode.scalar_log = None
         _refuse_leftover_gradients(model)
         state_meta = {k: v for opt in optimizers for k, v in optimizer_state_meta(model, opt).items()}
     if not recorder.regions and optimizers:
@@ -505,6 +518,23 @@ def _persistent_categories(
                     label = f"state:{names.get(id(p), 'param')}.{key}"
                     out.setdefault(storage_key(value), (Category.OPTIMIZER_STATE, label))
     return out
+
+
+@contextlib.contextmanager
+def scalars_logged(mode: Any, recorder: RegionRecorder, logged: bool) -> Iterator[None]:
+    """Log the Python numbers of the ops outside the optimizers' calls in ``mode`` (a fresh log;
+    it stays on the mode after the run, to compare), when ``logged``."""
+    if logged:
+        mode.scalar_log, mode.logging = [], recorder.outside_calls
+    try:
+        yield
+    finally:
+        if logged:
+            mode.logging = _never
+
+
+def _never() -> bool:
+    return False
 
 
 def _trace(step: Callable, flat: Sequence[torch.Tensor]) -> torch.fx.GraphModule:
