@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 
 import pytest
@@ -210,3 +211,44 @@ def test_only_params_sees_the_groups_as_they_are_now():
     optimizer.add_param_group({"params": [_ALL[0], _ALL[5]], "lr": 0.25})
     assert _seen_by_step(optimizer, [_ALL[5], _ALL[1], _ALL[0], _ALL[2]]) == [(0.1, [2, 1]), (0.25, [0, 5])]
     assert _seen_by_step(optimizer, [_ALL[4]]) == []
+
+
+Result = collections.namedtuple("Result", "loss out")
+RETURNS = {
+    "tensor": lambda loss, out: loss,
+    "tuple": lambda loss, out: (loss, out),
+    "dict": lambda loss, out: {"loss": loss, "out": out},
+    "named tuple": lambda loss, out: Result(loss, out),
+    "nested with a number": lambda loss, out: (loss, {"o": [out, 3]}),
+    "nothing": lambda loss, out: None,
+}
+
+
+@pytest.mark.parametrize("executor", ["generated", "interpreted"])
+@pytest.mark.parametrize("shape", list(RETURNS))
+def test_the_step_returns_what_the_users_step_returned(shape: str, executor: str) -> None:
+    """The traced program returns its leaves flat; the compiled step gives them back in the
+    user's structure (a tuple, a dict, a named tuple), as eager's call does (it returned a list)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    twin = copy.deepcopy(model)
+    opt, twin_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(twin.parameters(), lr=0.1)
+
+    def body(m: torch.nn.Module, o: torch.optim.Optimizer, x: torch.Tensor):
+        out = m(x)
+        loss = out.pow(2).mean()
+        loss.backward()
+        o.step()
+        o.zero_grad()
+        return RETURNS[shape](loss, out)
+
+    step = memplan.compile(lambda x: body(model, opt, x), model=model, optimizer=opt, executor=executor)
+    for _ in range(3):
+        x = torch.randn(8, 4)
+        ours, theirs = step(x), body(twin, twin_opt, x)
+        assert type(ours) is type(theirs)
+        ours_leaves, ours_spec = torch.utils._pytree.tree_flatten(ours)
+        theirs_leaves, theirs_spec = torch.utils._pytree.tree_flatten(theirs)
+        assert ours_spec == theirs_spec
+        for a, b in zip(ours_leaves, theirs_leaves, strict=True):
+            assert torch.equal(a, b.detach()) if isinstance(a, torch.Tensor) else a == b

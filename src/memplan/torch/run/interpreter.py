@@ -534,12 +534,17 @@ class StepRunner:
         output_node = next(n for n in self.capture.gm.graph.nodes if n.op == "output")
         return self._finish(_resolve(output_node.args[0], env))
 
-    @staticmethod
-    def _finish(result: Any) -> Any:
-        """The step's result, copied out of the arena."""
-        if isinstance(result, (list, tuple)) and len(result) == 1:
-            result = result[0]
-        return pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), result)
+    def _finish(self, result: Any) -> Any:
+        """The step's result, copied out of the arena, in the structure the user's step returned
+        (a tuple, a dict, a named tuple, ...): the traced program returns its leaves, flat, and
+        make_fx kept the structure (``out_spec``)."""
+        copied = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), result)
+        spec = out_spec(self.capture.gm)
+        if spec is not None and isinstance(copied, (list, tuple)) and spec.num_leaves == len(copied):
+            return pytree.tree_unflatten(list(copied), spec)
+        if isinstance(copied, (list, tuple)) and len(copied) == 1:
+            return copied[0]
+        return copied
 
 
 class _ReplayIntoArena(TorchDispatchMode):
@@ -753,6 +758,12 @@ def _scratch_bytes(ins: _Call, args: Any) -> int:
     if position is not None and isinstance(args[position], torch.Tensor):
         scratch += args[position].untyped_storage().nbytes()
     return scratch
+
+
+def out_spec(gm: torch.fx.GraphModule) -> pytree.TreeSpec | None:
+    """The structure of what the traced step returned (make_fx's pytree code generation), if kept."""
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    return getattr(info, "out_spec", None)
 
 
 def unreduced_loss_bytes(node: torch.fx.Node, *, through_out: bool) -> int:
