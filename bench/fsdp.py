@@ -10,7 +10,7 @@ with the profiler's allocator events; then one job per variant measures the proc
 
     python bench/fsdp.py                     # every model: writes bench/results/fsdp.md (+ .json, traces)
     python bench/fsdp.py --models llama      # one row (re)measured; the others kept from the .json
-    python bench/fsdp.py --nproc 4 --steps 3 --models mlp,gpt2-2l
+    python bench/fsdp.py --nproc 4 --steps 3 --models mlp,gpt2-2l,llama
                                              # 4 ranks: bench/results/fsdp_4ranks.md (+ .json, traces)
 
 memplan's collectives run asynchronously on a communication stream, their waits and the prefetch
