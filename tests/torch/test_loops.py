@@ -211,6 +211,7 @@ def test_a_step_that_reads_a_value_is_refused_in_one_line():
     with pytest.raises(DataDependentControlFlow) as info:
         memplan.compile(logs_its_loss, model=s.model, optimizer=s.optimizer)(MLP.batch(0))
     assert "\n" not in str(info.value)
+    assert "loss.item() outside the step" in str(info.value) and "test_loops.py" in str(info.value)
 
 
 @pytest.mark.parametrize("script", ["compile_step.py", "step_function.py"])

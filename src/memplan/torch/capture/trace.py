@@ -556,6 +556,12 @@ def _guarded(fn: Callable, *args: Any) -> Any:
             "shapes only: move it out of the step or give it a fixed size"
         ) from None
     except DataDependentOutputException as err:
+        if err.func is torch.ops.aten._local_scalar_dense.default:
+            raise DataDependentControlFlow(
+                f"the step reads a tensor's value into Python{_where(err)} (.item(), float(t), or an if on a tensor); "
+                "memplan replays the step's ops and cannot hand Python a value in the middle of them: return the "
+                "tensor and read it after the call (loss.item() outside the step), or take the branch out of the step"
+            ) from None
         raise DataDependentControlFlow(
             f"the step reads a tensor's value ({err.func}{_where(err)}) to decide what to run (data-dependent "
             "control flow); memplan needs a step whose ops do not depend on data: remove the branch or capture "
