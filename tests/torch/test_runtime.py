@@ -252,3 +252,64 @@ def test_the_step_returns_what_the_users_step_returned(shape: str, executor: str
         assert ours_spec == theirs_spec
         for a, b in zip(ours_leaves, theirs_leaves, strict=True):
             assert torch.equal(a, b.detach()) if isinstance(a, torch.Tensor) else a == b
+
+
+@pytest.mark.parametrize("executor", ["generated", "interpreted"])
+def test_an_ema_and_a_counter_the_step_updates_follow_eager_from_the_first_call(executor: str) -> None:
+    """Tensors the step writes that are not the model's or the optimizer's (an EMA of the
+    parameters, a step counter): capture's fake runs wrote them for real (the first call
+    counted 3 steps), and the EMA's read of the updated parameters failed with a NameError."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    twin = copy.deepcopy(model)
+    ema, twin_ema = copy.deepcopy(model), copy.deepcopy(model)
+    count, twin_count = torch.zeros(()), torch.zeros(())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=0.1)
+
+    def body(m, o, e, c, x):
+        loss = m(x).pow(2).mean()
+        loss.backward()
+        o.step()
+        o.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            c.add_(1)
+            for pe, p in zip(e.parameters(), m.parameters(), strict=True):
+                pe.mul_(0.9).add_(p, alpha=0.1)
+        return loss
+
+    step = memplan.compile(lambda x: body(model, opt, ema, count, x), model=model, optimizer=opt, executor=executor)
+    for k in range(4):
+        x = torch.randn(8, 4)
+        assert torch.equal(step(x), body(twin, twin_opt, twin_ema, twin_count, x))
+        assert count.item() == twin_count.item() == k + 1
+        ours, theirs = [*model.parameters(), *ema.parameters()], [*twin.parameters(), *twin_ema.parameters()]
+        for a, b in zip(ours, theirs, strict=True):
+            assert torch.equal(a, b), k
+
+
+def test_a_counter_the_step_updates_counts_each_call_once_under_a_budget() -> None:
+    """The budget path runs the step's ops twice more on the first call to measure each
+    kernel's workspace; a tensor the step writes besides the training state is put back after
+    (the first call counted 3)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 2)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    count = torch.zeros(())
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            count.add_(1)
+        return loss
+
+    step = memplan.compile(body, model=model, optimizer=opt, memory_budget=0.97)
+    for k in range(3):
+        step(torch.randn(64, 64))
+        assert count.item() == k + 1
+    assert step.report["budget"]["method"] in ("reorder", "remat")

@@ -3,9 +3,10 @@ touches the user's objects."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch._guards import detect_fake_mode
@@ -29,7 +30,9 @@ class CaptureFakeMode(FakeTensorMode):
       the step set the generator (:mod:`memplan.torch.capture.generator`);
     - while ``scalar_log`` is a list, each op outside the optimizers' calls is logged with the
       Python numbers it was given, so capture can check that two runs of the step pass the same
-      ones (:func:`memplan.torch.capture.literals.check_scalars_repeat`).
+      ones (:func:`memplan.torch.capture.literals.check_scalars_repeat`);
+    - while ``real_writes`` is a dict, a real tensor an op writes is copied first, so capture can
+      put it back (:func:`real_writes_undone`).
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -39,6 +42,7 @@ class CaptureFakeMode(FakeTensorMode):
         self.scalar_log: list[tuple[Any, tuple]] | None = None  # (op, its Python numbers) per op, while logging
         self.logging: Callable[[], bool] = lambda: True  # capture: outside the optimizers' calls
         self._depth = 0  # dispatches in progress: an op a decomposition makes inside another is not logged
+        self.real_writes: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # id -> (tensor, before)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -53,6 +57,8 @@ class CaptureFakeMode(FakeTensorMode):
             self._depth -= 1
 
     def _dispatch(self, func, types, args, kwargs):
+        if self.real_writes is not None and func._schema.is_mutable:
+            self._save_real_writes(func, args, kwargs)
         if func in _LIFTS and args and isinstance(args[0], torch.Tensor) and not is_fake(args[0]):
             self.literals.append(args[0].detach().clone())
         if func is torch.ops.aten._grouped_mm.default:
@@ -62,6 +68,38 @@ class CaptureFakeMode(FakeTensorMode):
                 empty = torch.ops.aten.empty.memory_format
                 return super().__torch_dispatch__(empty, types, (shape,), {"dtype": dtype, "device": args[0].device})
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _save_real_writes(self, func, args, kwargs) -> None:
+        """Keep a copy of each real tensor ``func`` is about to write (a closure tensor: an EMA's
+        parameters, a counter): with non-fake inputs only, the mode runs the real kernel, so a
+        fake run of the step would change the user's tensor (:func:`real_writes_undone`)."""
+        schema = func._schema
+        values = [*zip(schema.arguments, args, strict=False)]
+        values += [(a, kwargs[a.name]) for a in schema.arguments if a.name in kwargs]
+        for argument, value in values:
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            for t in value if isinstance(value, list | tuple) else (value,):
+                if isinstance(t, torch.Tensor) and not is_fake(t) and id(t) not in self.real_writes:
+                    with torch.utils._python_dispatch._disable_current_modes():
+                        self.real_writes[id(t)] = (t, t.detach().clone())
+
+
+@contextlib.contextmanager
+def real_writes_undone(mode: FakeTensorMode) -> Iterator[None]:
+    """While capture runs the step on fakes, note the real tensors it writes, and put back
+    their values afterwards: the user's tensors end the capture as they began it."""
+    if not isinstance(mode, CaptureFakeMode):
+        yield
+        return
+    mode.real_writes = {}
+    try:
+        yield
+    finally:
+        saved, mode.real_writes = mode.real_writes, None
+        with torch.utils._python_dispatch._disable_current_modes(), torch.no_grad():
+            for tensor, before in saved.values():
+                tensor.copy_(before)
 
 
 _LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)

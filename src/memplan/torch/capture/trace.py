@@ -32,7 +32,14 @@ from memplan.errors import CaptureError, DataDependentControlFlow, DynamicShape,
 from memplan.graph.check import validate_graph
 from memplan.graph.ir import Category, Graph, Op, OpId, Tensor, TensorId
 from memplan.torch.capture.casts import guarded_casts
-from memplan.torch.capture.fake import CaptureFakeMode, fake_clone_module, fake_mode_of, new_fake_mode, take_literals
+from memplan.torch.capture.fake import (
+    CaptureFakeMode,
+    fake_clone_module,
+    fake_mode_of,
+    new_fake_mode,
+    real_writes_undone,
+    take_literals,
+)
 from memplan.torch.capture.generator import watching_generators
 from memplan.torch.capture.hf_masks import MaskGuard, follow_mask_shortcuts
 from memplan.torch.capture.literals import check_literals_repeat, check_scalars_repeat, same_literals
@@ -255,6 +262,7 @@ def _capture_traced(
 
     recorder = RegionRecorder(model, optimizers, scaler, objects.schedulers)
     with (
+        real_writes_undone(mode),
         watching_generators(mode) as generators,
         FakeSwap(mode, model, optimizers, scaler),
         guarded_casts(model),
@@ -438,7 +446,7 @@ def capture_infer_step(model: torch.nn.Module, inputs: Any, *, name: str = "") -
 
     flat, spec = pytree.tree_flatten(inputs)
     take_literals(mode)
-    with guarded_casts(model):
+    with real_writes_undone(mode), watching_generators(mode), guarded_casts(model):
         with mode:
             _guarded(step, flat)  # once untraced: shows the literals the step makes
         earlier_literals = take_literals(mode)
@@ -560,7 +568,8 @@ def _guarded(fn: Callable, *args: Any) -> Any:
             raise DataDependentControlFlow(
                 f"the step reads a tensor's value into Python{_where(err)} (.item(), float(t), or an if on a tensor); "
                 "memplan replays the step's ops and cannot hand Python a value in the middle of them: return the "
-                "tensor and read it after the call (loss.item() outside the step), or take the branch out of the step"
+                "tensor and read it after the call (loss.item() outside the step), or take the branch out of the step "
+                "(data-dependent control flow)"
             ) from None
         raise DataDependentControlFlow(
             f"the step reads a tensor's value ({err.func}{_where(err)}) to decide what to run (data-dependent "
@@ -812,7 +821,13 @@ def _to_capture(
             value = getattr(gm, node.target)
             if isinstance(value, torch.Tensor):
                 builder.placeholder(node, value, (Category.BUFFER, f"const:{node.target}"))
-                builder.value_refs[node.name] = [(builder.storage_tensor[storage_key(value)],)]
+                t = builder.storage_tensor[storage_key(value)]
+                builder.value_refs[node.name] = [(t,)]
+                traced = node.meta.get("val")
+                if isinstance(traced, torch.Tensor):
+                    # the ops' reads and writes are seen through the traced (fake) value: a step that
+                    # writes a closure tensor (an EMA, a counter) writes this one
+                    builder.storage_tensor.setdefault(storage_key(traced), t)
         elif node.op == "call_function":
             _visit_call(builder, node)
         elif node.op == "output":
@@ -829,10 +844,65 @@ def _to_capture(
         {"mode": mode, "capture_seconds": round(seconds, 3)},
     )
     validate_graph(graph)
+    _read_region_writes_from_their_targets(gm, builder, regions)
     capture = Capture(graph, gm, mode, seconds, builder.node_of_op, dict(builder.storage_tensor), builder.op_phase)
     capture.regions = list(regions)
     capture.op_region = builder.op_region
     return capture
+
+
+def _read_region_writes_from_their_targets(
+    gm: torch.fx.GraphModule, builder: _Builder, regions: Sequence[CallRegion]
+) -> None:
+    """Point the ops after a call (``optimizer.step()``, ...) that read what one of its traced
+    in-place ops returned at the tensor that op wrote instead: the runtime makes the call for
+    real and runs none of its traced ops, so their results are never bound, while the tensor
+    they wrote (a parameter an EMA update reads after the step) is the user's own. The order
+    stays the graph's: those readers still follow the whole call there (``order_after_regions``).
+    A value the call computed that is no write of a tensor the step holds is refused."""
+    region_of = {name: builder.op_region[op] for op, name in enumerate(builder.node_of_op)}
+    phase_of = dict(zip(builder.node_of_op, builder.op_phase, strict=True))
+    nodes = {node.name: node for node in gm.graph.nodes}
+    target_of: dict[str, torch.fx.Node] = {}
+    changed = False
+    for node in gm.graph.nodes:
+        if region_of.get(node.name, -1) >= 0:
+            written = _written_argument(node)
+            if written is not None:
+                target_of[node.name] = target_of.get(written.name, written)
+            continue
+        if phase_of.get(node.name) not in ("forward", "backward") and node.op != "output":
+            continue  # not run by the program (an optimizer's traced op, a view of the call's values)
+        for read in [a for a in node.all_input_nodes if region_of.get(a.name, -1) >= 0]:
+            if read.name not in target_of:
+                index = region_of[read.name]
+                call = f"{regions[index].kind}()" if index < len(regions) else "a call of a stateful object"
+                raise UnsupportedOp(
+                    f"the step uses {read.name}, a value {call} computed, after that call; memplan makes the call "
+                    "for real and does not trace its values: compute it outside the call"
+                )
+            node.replace_input_with(nodes[read.name], target_of[read.name])
+            changed = True
+    if changed:
+        gm.recompile()
+
+
+def _written_argument(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The argument an in-place or out= op writes and returns (``add_``'s ``self``), if any."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or len(schema.returns) != 1:
+        return None
+    alias = schema.returns[0].alias_info
+    if alias is None or not alias.is_write:
+        return None
+    for argument, value in zip(schema.arguments, node.args, strict=False):
+        if argument.alias_info is not None and argument.alias_info.before_set == alias.before_set:
+            return value if isinstance(value, torch.fx.Node) else None
+    for argument in schema.arguments:
+        value = node.kwargs.get(argument.name)
+        if argument.alias_info is not None and argument.alias_info.before_set == alias.before_set:
+            return value if isinstance(value, torch.fx.Node) else None
+    return None
 
 
 def _visit_call(builder: _Builder, node: torch.fx.Node) -> None:

@@ -1171,18 +1171,26 @@ def measure_op_workspace(
     measures them), running ``steps`` (a plan's step sequence; program order when ``None``)
     twice, the first as warm-up. The model's parameters are used as they are, never copied and
     never written (no optimizer or other call of the step is made; a parameter written anyway
-    is refused), its buffers on a copy, the random generator put back: the user's objects
-    and random stream are untouched, and the measurement holds no second copy of the model.
-    CPU only (elsewhere: none)."""
+    is refused), its buffers on a copy, the random generator and the other tensors the step
+    writes (an EMA, a counter) put back: the user's objects and random stream are untouched,
+    and the measurement holds no second copy of the model. CPU only (elsewhere: none)."""
     if any(p.device.type != "cpu" for p in model.parameters()):
         return ()
+    from memplan.torch.run.constants import written_outside_state
+
     params = list(model.parameters())
     shared = copy.deepcopy(model, memo={id(p): p for p in params})  # buffers copied, parameters shared
     versions = [p._version for p in params]
-    with torch.random.fork_rng(devices=[]), blocks_mapped():
-        runner = _WorkspaceRunner(capture, shared, optimizer, steps)
-        runner(batch)  # warm-up: oneDNN primitives
-        workspace = _measure_workspace(runner, batch)
+    others = [(t, t.detach().clone()) for t in written_outside_state(capture, model)]  # an EMA, a counter
+    try:
+        with torch.random.fork_rng(devices=[]), blocks_mapped():
+            runner = _WorkspaceRunner(capture, shared, optimizer, steps)
+            runner(batch)  # warm-up: oneDNN primitives
+            workspace = _measure_workspace(runner, batch)
+    finally:
+        with torch.no_grad():
+            for tensor, before in others:
+                tensor.copy_(before)
     if [p._version for p in params] != versions:
         raise MemplanError("measuring the kernels' workspace wrote a parameter; run without memory_budget")
     return workspace

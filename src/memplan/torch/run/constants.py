@@ -65,6 +65,23 @@ def bind_constants(
     ]
 
 
+def written_outside_state(capture: Capture, model: torch.nn.Module) -> list[torch.Tensor]:
+    """The real tensors the step writes that are no parameter, buffer or optimizer state of
+    it: closure or module-level tensors and plain tensor attributes of its modules (an EMA's
+    parameters, a step counter). What a run of the step for another purpose (measuring its
+    kernels' workspace, a verifying rerun) must put back besides the training state."""
+    written = {t for op in capture.graph.ops for t in op.mutates}
+    out: dict[int, torch.Tensor] = {}
+    for binding in bind_constants(capture, model, torch.device("cpu")):
+        if binding.kind not in ("object", "attribute"):
+            continue
+        value = getattr(capture.gm, binding.node)
+        if capture.tensor_of_storage.get(storage_key(value)) in written:
+            tensor = binding.fetch()
+            out.setdefault(id(tensor), tensor)
+    return list(out.values())
+
+
 def _binding(
     capture: Capture,
     node: torch.fx.Node,

@@ -40,11 +40,17 @@ class StepObjects:
     optimizers: Sequence[torch.optim.Optimizer] = ()
     scaler: Any = None
     schedulers: Sequence[Any] = ()
+    others: Sequence[torch.Tensor] = ()  # other tensors the step writes (an EMA, a counter)
 
     @classmethod
     def of(cls, run: Any, schedulers: Sequence[Any] = ()) -> StepObjects:
         """From a runner (:class:`memplan.torch.run.interpreter.StepRunner` or a subclass)."""
-        return cls(run.model, list(getattr(run, "optimizers", ())), getattr(run, "scaler", None), list(schedulers))
+        from memplan.torch.run.constants import written_outside_state
+
+        capture = getattr(run, "capture", None)
+        others = written_outside_state(capture, run.model) if capture is not None else []
+        optimizers = list(getattr(run, "optimizers", ()))
+        return cls(run.model, optimizers, getattr(run, "scaler", None), list(schedulers), others)
 
     def slots(self) -> list[tuple[Any, str]]:
         """Every (holder, key) whose tensor a step may replace or write, in a fixed order."""
@@ -58,6 +64,8 @@ class StepObjects:
                 found += [(state, key) for key in sorted(state, key=str) if isinstance(state[key], torch.Tensor)]
         if self.scaler is not None:
             found += [(self.scaler.__dict__, k) for k in ("_scale", "_growth_tracker") if k in self.scaler.__dict__]
+        others = dict(enumerate(self.others))
+        found += [(others, k) for k in others]
         return found
 
 
