@@ -424,3 +424,28 @@ def test_two_runs_are_compared_only_where_they_made_the_same_ops() -> None:
     check_scalars_repeat(None, [(mul, (3,))])
     with pytest.raises(CaptureError, match="1, then 2"):
         check_scalars_repeat([(mul, (1,)), (add, (5,))], [(mul, (2,)), (add, (5,))])
+
+
+def test_an_hf_model_with_gradient_checkpointing_and_dropout_is_refused_naming_the_switch() -> None:
+    """HF's ``gradient_checkpointing_enable()`` on GPT-2 (dropout 0.1): it trained unlike eager
+    from the first update, silently; now one line says how to turn it off."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config).train()
+    model.gradient_checkpointing_enable()
+    ids = torch.randint(0, 100, (2, 16))
+
+    def step_body(m, opt, b):
+        loss = m(input_ids=b[0], labels=b[0]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = memplan.compile(lambda b: step_body(model, opt, b), model=model, optimizer=opt)
+    with pytest.raises(UnsupportedOp, match="gradient_checkpointing_disable") as refused:
+        step((ids,))
+    assert "\n" not in str(refused.value) and not opt.state

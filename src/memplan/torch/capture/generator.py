@@ -101,7 +101,8 @@ class GeneratorWatch:
                 f"the step recomputes a random op ({op}) under torch.utils.checkpoint, which sets the generator "
                 "back to redraw the forward's values; memplan replays the step's ops, not its generator calls, so "
                 "the recompute would draw other values than eager's: take the checkpoint off the region with "
-                "dropout and let memory_budget= plan the recomputation"
+                "dropout (HF models: model.gradient_checkpointing_disable()) and let memory_budget= plan the "
+                "recomputation"
             )
         raise UnsupportedOp(
             f"the step draws random numbers ({op}) after setting the random generator ({self.set_by}); memplan "
