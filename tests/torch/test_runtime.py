@@ -313,3 +313,28 @@ def test_a_counter_the_step_updates_counts_each_call_once_under_a_budget() -> No
         step(torch.randn(64, 64))
         assert count.item() == k + 1
     assert step.report["budget"]["method"] in ("reorder", "remat")
+
+
+def test_a_counter_the_step_updates_counts_each_call_once_with_dynamic_lengths() -> None:
+    """``dynamic=`` traces the step once more with the length as a symbol, on fakes: that run
+    wrote the counter for real too (the second call counted 4)."""
+    torch.manual_seed(0)
+    emb, head = torch.nn.Embedding(50, 16), torch.nn.Linear(16, 50)
+    model = torch.nn.ModuleDict({"emb": emb, "head": head})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    count = torch.zeros(())
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        loss = torch.nn.functional.cross_entropy(head(emb(x)).flatten(0, 1), x.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            count.add_(1)
+        return loss
+
+    step = memplan.compile(body, model=model, optimizer=opt, dynamic={1: 32})
+    for k, length in enumerate((32, 20, 28)):
+        step(torch.randint(0, 50, (2, length)))
+        assert count.item() == k + 1
+    assert all("reused" in entry["plan"] for entry in step.shape_log[1:])

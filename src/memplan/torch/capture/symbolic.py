@@ -41,7 +41,8 @@ from torch.utils import _pytree as pytree
 import torch
 from memplan.graph.ir import Graph
 from memplan.torch.capture.casts import guarded_casts
-from memplan.torch.capture.fake import CaptureFakeMode, fake_mode_of, take_literals
+from memplan.torch.capture.fake import CaptureFakeMode, fake_mode_of, real_writes_undone, take_literals
+from memplan.torch.capture.generator import watching_generators
 from memplan.torch.capture.hf_masks import follow_mask_shortcuts
 from memplan.torch.capture.literals import is_literal, literal_key
 from memplan.torch.capture.regions import RegionRecorder
@@ -285,7 +286,13 @@ def _trace(
         return fn(pytree.tree_unflatten(flat_batch, spec))
 
     recorder = RegionRecorder(model, optimizers, scaler, schedulers)
-    with FakeSwap(mode, model, optimizers, scaler), guarded_casts(model), recorder.installed():
+    with (
+        real_writes_undone(mode),
+        watching_generators(mode),
+        FakeSwap(mode, model, optimizers, scaler),
+        guarded_casts(model),
+        recorder.installed(),
+    ):
         take_literals(mode)
         if not steady:  # the optimizers' state made on fakes first, as capture_step does (static shapes)
             with mode:
