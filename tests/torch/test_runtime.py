@@ -288,6 +288,21 @@ def test_an_ema_and_a_counter_the_step_updates_follow_eager_from_the_first_call(
             assert torch.equal(a, b), k
 
 
+def _counting_step(loss_of, opt: torch.optim.Optimizer, count: torch.Tensor):
+    """A training step on ``loss_of(batch)`` that also counts its calls in ``count``, a tensor."""
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        loss = loss_of(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            count.add_(1)
+        return loss
+
+    return body
+
+
 def test_a_counter_the_step_updates_counts_each_call_once_under_a_budget() -> None:
     """The budget path runs the step's ops twice more on the first call to measure each
     kernel's workspace; a tensor the step writes besides the training state is put back after
@@ -298,16 +313,7 @@ def test_a_counter_the_step_updates_counts_each_call_once_under_a_budget() -> No
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     count = torch.zeros(())
-
-    def body(x: torch.Tensor) -> torch.Tensor:
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            count.add_(1)
-        return loss
-
+    body = _counting_step(lambda x: model(x).pow(2).mean(), opt, count)
     step = memplan.compile(body, model=model, optimizer=opt, memory_budget=0.97)
     for k in range(3):
         step(torch.randn(64, 64))
@@ -323,16 +329,8 @@ def test_a_counter_the_step_updates_counts_each_call_once_with_dynamic_lengths()
     model = torch.nn.ModuleDict({"emb": emb, "head": head})
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     count = torch.zeros(())
-
-    def body(x: torch.Tensor) -> torch.Tensor:
-        loss = torch.nn.functional.cross_entropy(head(emb(x)).flatten(0, 1), x.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            count.add_(1)
-        return loss
-
+    cross_entropy = torch.nn.functional.cross_entropy
+    body = _counting_step(lambda x: cross_entropy(head(emb(x)).flatten(0, 1), x.flatten()), opt, count)
     step = memplan.compile(body, model=model, optimizer=opt, dynamic={1: 32})
     for k, length in enumerate((32, 20, 28)):
         step(torch.randint(0, 50, (2, length)))

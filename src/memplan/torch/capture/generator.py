@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 import torch
 from memplan.errors import UnsupportedOp
+from memplan.torch.capture.frames import user_location
 
 # (module, function name) of every PyTorch function that seeds or sets a generator's state
 SETTERS = (
@@ -50,7 +51,6 @@ SETTERS = (
     (torch.cuda, "set_rng_state_all"),
 )
 CHECKPOINT_FILE = Path(torch.utils.checkpoint.__file__)
-OURS = (Path(torch.__file__).parent, Path(__file__).parents[2])
 CHECKPOINTED = "torch.utils.checkpoint"
 
 
@@ -77,13 +77,8 @@ def _caller() -> str:
     frames = traceback.extract_stack()[:-3]
     if any(Path(f.filename) == CHECKPOINT_FILE for f in frames):
         return CHECKPOINTED
-    for frame in reversed(frames):
-        path = Path(frame.filename)
-        if not any(path.is_relative_to(root) for root in OURS) and not frame.filename.startswith("<"):
-            parts = path.parts
-            short = "/".join(parts[parts.index("site-packages") + 1 :]) if "site-packages" in parts else path.name
-            return f"a call at {short}:{frame.lineno}"
-    return "a call inside the step"
+    where = user_location(frames)
+    return f"a call at {where}" if where else "a call inside the step"
 
 
 class GeneratorWatch:

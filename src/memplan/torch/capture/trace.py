@@ -40,6 +40,7 @@ from memplan.torch.capture.fake import (
     real_writes_undone,
     take_literals,
 )
+from memplan.torch.capture.frames import user_location
 from memplan.torch.capture.generator import watching_generators
 from memplan.torch.capture.hf_masks import MaskGuard, follow_mask_shortcuts
 from memplan.torch.capture.literals import check_literals_repeat, check_scalars_repeat, same_literals
@@ -592,16 +593,9 @@ def _where(err: BaseException) -> str:
     """`` at FILE:LINE``: the innermost frame of the traceback outside torch and memplan (the
     user's model, or the library it comes from), or nothing."""
     import traceback
-    from pathlib import Path
 
-    skipped = (Path(torch.__file__).parent, Path(__file__).parents[2])
-    for frame in reversed(traceback.extract_tb(err.__traceback__)):
-        path = Path(frame.filename)
-        if not any(path.is_relative_to(root) for root in skipped) and not frame.filename.startswith("<"):
-            parts = path.parts
-            short = "/".join(parts[parts.index("site-packages") + 1 :]) if "site-packages" in parts else path.name
-            return f" at {short}:{frame.lineno}"
-    return ""
+    where = user_location(traceback.extract_tb(err.__traceback__))
+    return f" at {where}" if where else ""
 
 
 # --------------------------------------------------------------------------- fx -> Graph
