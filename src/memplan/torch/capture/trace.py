@@ -11,6 +11,13 @@ statistics, which ``native_batch_norm`` writes although its schema does not say 
 ordered against the other readers of the storage by control edges (read-after-write,
 write-after-read, write-after-write); random ops are chained so their relative order, and so
 the random stream, never changes.
+
+The fake runs change nothing of the user's: a real tensor the step writes (an EMA, a counter)
+and the random generators are put back after them (:func:`.fake.real_writes_undone`,
+:mod:`.generator`). What a replay could not do as eager does is refused in one line: setting
+the generator inside the step (:mod:`.generator`), Python numbers that change from one run to
+the next (:func:`.literals.check_scalars_repeat`), reading a value a stateful call computed
+(:func:`_read_region_writes_from_their_targets`).
 """
 
 from __future__ import annotations
