@@ -449,3 +449,25 @@ def test_an_hf_model_with_gradient_checkpointing_and_dropout_is_refused_naming_t
     with pytest.raises(UnsupportedOp, match="gradient_checkpointing_disable") as refused:
         step((ids,))
     assert "\n" not in str(refused.value) and not opt.state
+
+
+class Rebinds(torch.nn.Module):
+    """Keeps a running mean in a buffer by assigning it anew in ``forward``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 2)
+        self.register_buffer("avg", torch.zeros(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        self.avg = 0.9 * self.avg + 0.1 * h.detach().mean(0)
+        return self.b(h - self.avg)
+
+
+def test_a_buffer_assigned_anew_in_forward_is_refused_naming_it() -> None:
+    """The plan writes into the tensors the model holds: a buffer rebound each call kept its
+    first value while eager's moved on (losses apart from the second step), silently."""
+    model = Rebinds()
+    _refused_untouched(model, _plain_step, "assigns a new tensor to the buffer 'avg'")
+    assert torch.equal(model.avg, torch.zeros(16))

@@ -20,6 +20,7 @@ from typing import Any
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 
 import torch
+from memplan.errors import UnsupportedOp
 
 SCALER_TENSORS = ("_scale", "_growth_tracker")
 
@@ -41,6 +42,7 @@ class FakeSwap:
         self.fakes: dict[int, torch.Tensor] = {}
         self._restore: list[tuple[Any, str, Any]] = []
         self._module_dicts: list[tuple[torch.nn.Module, dict[str, Any]]] = []
+        self._swapped: list[tuple[str, torch.nn.Module, dict[str, Any], dict[str, Any]]] = []
 
     def fake_of(self, t: torch.Tensor) -> torch.Tensor:
         """The fake standing in for ``t`` (one per real tensor; fakes stay as they are)."""
@@ -85,12 +87,30 @@ class FakeSwap:
             setattr(owner, key, value)
 
     def _swap_model(self) -> None:
-        for module in self.model.modules():
+        for path, module in self.model.named_modules(remove_duplicate=False):
             self._module_dicts.append((module, dict(module.__dict__)))
             params = {k: None if p is None else self.fake_of(p) for k, p in module._parameters.items()}
             buffers = {k: None if b is None else self.fake_of(b) for k, b in module._buffers.items()}
             self._set(module, "_parameters", params)
             self._set(module, "_buffers", buffers)
+            self._swapped.append((path, module, dict(params), dict(buffers)))
+
+    def refuse_rebound_tensors(self) -> None:
+        """Raise :class:`UnsupportedOp` if the step assigned a new tensor to a parameter or a
+        buffer of the model (``self.avg = 0.9 * self.avg + ...``): the plan writes the step's
+        results into the tensors the model holds and never rebinds them, so the buffer would
+        keep its first value while eager's moves on."""
+        for path, module, params, buffers in self._swapped:
+            for kind, swapped, now in (("parameter", params, module._parameters), ("buffer", buffers, module._buffers)):
+                for name in now:
+                    if name not in swapped or now[name] is not swapped[name]:
+                        where = f"{path}.{name}" if path else name
+                        raise UnsupportedOp(
+                            f"the step assigns a new tensor to the {kind} {where!r} of {type(module).__name__} "
+                            f"(self.{name} = ...); memplan writes the step's results into the tensors the model "
+                            f"holds and does not rebind them: update it in place (self.{name}.copy_(...), or "
+                            "mul_/add_)"
+                        )
 
     def _swap_optimizer(self, opt: torch.optim.Optimizer) -> None:
         for group in opt.param_groups:

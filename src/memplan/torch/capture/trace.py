@@ -272,7 +272,7 @@ def _capture_traced(
     with (
         real_writes_undone(mode),
         watching_generators(mode) as generators,
-        FakeSwap(mode, model, optimizers, scaler),
+        FakeSwap(mode, model, optimizers, scaler) as swap,
         guarded_casts(model),
         recorder.installed(),
     ):
@@ -285,6 +285,7 @@ def _capture_traced(
             with mode, generators.run(), scalars_logged(mode, recorder, logged):
                 _guarded(run, flat)
             _refuse_leftover_gradients(model)
+            swap.refuse_rebound_tensors()
         earlier_literals = take_literals(mode) if like is None and warm is None else None
         earlier_scalars = mode.scalar_log if logged else None
         recorder.reset()
@@ -297,6 +298,7 @@ def _capture_traced(
             with follow_mask_shortcuts(batch, mask_guards), generators.run(), scalars_logged(mode, recorder, logged):
                 gm = _trace(run, flat)
             check_scalars_repeat(earlier_scalars, mode.scalar_log if logged else None)
+            swap.refuse_rebound_tensors()
         finally:
             grads.remove()
             if logged:
