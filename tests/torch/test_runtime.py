@@ -335,3 +335,31 @@ def test_a_counter_the_step_updates_counts_each_call_once_with_dynamic_lengths()
         step(torch.randint(0, 50, (2, length)))
         assert count.item() == k + 1
     assert all("reused" in entry["plan"] for entry in step.shape_log[1:])
+
+
+def test_an_ema_the_step_updates_under_a_budget_follows_eager() -> None:
+    """The workspace runs put back the EMA's parameters: each is read by a second node of the
+    same target (``_param_constant6_1``), which the put-back once looked up by node name."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 2)
+    )
+    twin, ema, twin_ema = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
+    opt, twin_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(twin.parameters(), lr=0.1)
+
+    def body(m, o, e, x):
+        loss = m(x).pow(2).mean()
+        loss.backward()
+        o.step()
+        o.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for pe, p in zip(e.parameters(), m.parameters(), strict=True):
+                pe.mul_(0.9).add_(p, alpha=0.1)
+        return loss
+
+    step = memplan.compile(lambda x: body(model, opt, ema, x), model=model, optimizer=opt, memory_budget=0.97)
+    for k in range(3):
+        x = torch.randn(64, 64)
+        assert torch.equal(step(x), body(twin, twin_opt, twin_ema, x))
+        for a, b in zip(ema.parameters(), twin_ema.parameters(), strict=True):
+            assert torch.equal(a, b), k

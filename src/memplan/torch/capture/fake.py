@@ -13,11 +13,12 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 
 import torch
+from memplan.torch.tensors import tensor_leaves, written_arguments
 
 
 class CaptureFakeMode(FakeTensorMode):
-    """The FakeTensorMode of capture. Three things differ from PyTorch's, in this class only (no
-    other fake mode of the process changes):
+    """The FakeTensorMode of capture. It differs from PyTorch's in this class only (no other
+    fake mode of the process changes):
 
     - fake kernels for the ops whose meta function is narrower than their CPU kernel:
       ``aten._grouped_mm``, which HF's mixture-of-experts layers (Mixtral, Qwen-MoE, ...)
@@ -73,14 +74,9 @@ class CaptureFakeMode(FakeTensorMode):
         """Keep a copy of each real tensor ``func`` is about to write (a closure tensor: an EMA's
         parameters, a counter): with non-fake inputs only, the mode runs the real kernel, so a
         fake run of the step would change the user's tensor (:func:`real_writes_undone`)."""
-        schema = func._schema
-        values = [*zip(schema.arguments, args, strict=False)]
-        values += [(a, kwargs[a.name]) for a in schema.arguments if a.name in kwargs]
-        for argument, value in values:
-            if argument.alias_info is None or not argument.alias_info.is_write:
-                continue
-            for t in value if isinstance(value, list | tuple) else (value,):
-                if isinstance(t, torch.Tensor) and not is_fake(t) and id(t) not in self.real_writes:
+        for value in written_arguments(func, args, kwargs):
+            for t in tensor_leaves(value):
+                if not is_fake(t) and id(t) not in self.real_writes:
                     with torch.utils._python_dispatch._disable_current_modes():
                         self.real_writes[id(t)] = (t, t.detach().clone())
 

@@ -865,7 +865,6 @@ def _read_region_writes_from_their_targets(
     A value the call computed that is no write of a tensor the step holds is refused."""
     region_of = {name: builder.op_region[op] for op, name in enumerate(builder.node_of_op)}
     phase_of = dict(zip(builder.node_of_op, builder.op_phase, strict=True))
-    nodes = {node.name: node for node in gm.graph.nodes}
     target_of: dict[str, torch.fx.Node] = {}
     changed = False
     for node in gm.graph.nodes:
@@ -884,7 +883,7 @@ def _read_region_writes_from_their_targets(
                     f"the step uses {read.name}, a value {call} computed, after that call; memplan makes the call "
                     "for real and does not trace its values: compute it outside the call"
                 )
-            node.replace_input_with(nodes[read.name], target_of[read.name])
+            node.replace_input_with(read, target_of[read.name])
             changed = True
     if changed:
         gm.recompile()

@@ -337,8 +337,6 @@ def _meta_call_args(node: torch.fx.Node, extra: dict[str, Any]) -> tuple[tuple, 
     made: dict[int, torch.Tensor] = {}
 
     def meta(value: Any) -> Any:
-        if isinstance(value, torch.device):
-            return META
         if not isinstance(value, torch.Tensor):
             return value
         if id(value) not in made:
@@ -350,8 +348,10 @@ def _meta_call_args(node: torch.fx.Node, extra: dict[str, Any]) -> tuple[tuple, 
             raise LookupError(n.name)
         return pytree.tree_map(meta, n.meta["val"])
 
-    args = pytree.tree_map(meta, pytree.tree_map_only(torch.fx.Node, fake, tuple(node.args)))
-    kwargs = pytree.tree_map(meta, pytree.tree_map_only(torch.fx.Node, fake, dict(node.kwargs)))
+    def on_meta(value: Any) -> Any:
+        return pytree.tree_map_only(torch.device, lambda _: META, pytree.tree_map_only(torch.fx.Node, fake, value))
+
+    args, kwargs = on_meta(tuple(node.args)), on_meta(dict(node.kwargs))
     kwargs.update(pytree.tree_map(meta, extra))
     return args, kwargs
 

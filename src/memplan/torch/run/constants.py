@@ -71,11 +71,12 @@ def written_outside_state(capture: Capture, model: torch.nn.Module) -> list[torc
     parameters, a step counter). What a run of the step for another purpose (measuring its
     kernels' workspace, a verifying rerun) must put back besides the training state."""
     written = {t for op in capture.graph.ops for t in op.mutates}
+    targets = {node.name: node.target for node in capture.gm.graph.nodes if node.op == "get_attr"}
     out: dict[int, torch.Tensor] = {}
     for binding in bind_constants(capture, model, torch.device("cpu")):
         if binding.kind not in ("object", "attribute"):
             continue
-        value = getattr(capture.gm, binding.node)
+        value = getattr(capture.gm, targets[binding.node])  # a second read of one tensor is node "x_1" of target "x"
         if capture.tensor_of_storage.get(storage_key(value)) in written:
             tensor = binding.fetch()
             out.setdefault(id(tensor), tensor)
