@@ -287,6 +287,50 @@ def test_an_ema_and_a_counter_the_step_updates_follow_eager_from_the_first_call(
             assert torch.equal(a, b), k
 
 
+@pytest.mark.parametrize(("executor", "allocator"), [("generated", "views"), ("interpreted", "replay")])
+def test_a_gan_step_with_two_backwards_and_two_optimizers_follows_eager(executor: str, allocator: str) -> None:
+    """A GAN step: the discriminator's backward and update, then the generator's backward
+    through the discriminator, which gives the discriminator's parameters a second gradient
+    that is thrown away. The first gradient's storage was not kept from the in-place rewrite
+    (only each parameter's last gradient was), so it moved and the step was refused with
+    "could not find the gradient of 'D.0.weight'"."""
+    torch.manual_seed(0)
+    gen = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    disc = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LeakyReLU(0.2), torch.nn.Linear(16, 1))
+    model = torch.nn.ModuleDict({"G": gen, "D": disc})
+    twin = copy.deepcopy(model)
+
+    def optimizers(m: torch.nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+        return (torch.optim.Adam(m["G"].parameters(), lr=1e-3), torch.optim.Adam(m["D"].parameters(), lr=1e-3))
+
+    (og, od), (twin_og, twin_od) = optimizers(model), optimizers(twin)
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+
+    def body(m, og, od, real, z):
+        fake = m["G"](z)
+        ones, zeros = torch.ones(real.shape[0], 1), torch.zeros(real.shape[0], 1)
+        d_loss = bce(m["D"](real), ones) + bce(m["D"](fake.detach()), zeros)
+        d_loss.backward()
+        od.step()
+        od.zero_grad(set_to_none=True)
+        g_loss = bce(m["D"](fake), ones)
+        g_loss.backward()
+        og.step()
+        og.zero_grad(set_to_none=True)
+        od.zero_grad(set_to_none=True)
+        return d_loss, g_loss
+
+    step = memplan.compile(
+        lambda b: body(model, og, od, *b), model=model, optimizer=[og, od], executor=executor, allocator=allocator
+    )
+    for k in range(4):
+        real, z = torch.randn(16, 8), torch.randn(16, 4)
+        ours, theirs = step((real, z)), body(twin, twin_og, twin_od, real, z)
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)), k
+        for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+            assert torch.equal(a, b), k
+
+
 def _counting_step(loss_of, opt: torch.optim.Optimizer, count: torch.Tensor):
     """A training step on ``loss_of(batch)`` that also counts its calls in ``count``, a tensor."""
 
@@ -337,9 +381,21 @@ def test_a_counter_the_step_updates_counts_each_call_once_with_dynamic_lengths()
     assert all("reused" in entry["plan"] for entry in step.shape_log[1:])
 
 
-def test_an_ema_the_step_updates_under_a_budget_follows_eager() -> None:
-    """The workspace runs put back the EMA's parameters: each is read by a second node of the
-    same target (``_param_constant6_1``), which the put-back once looked up by node name."""
+def test_an_ema_the_step_updates_under_a_budget_follows_eager(monkeypatch) -> None:
+    """The workspace runs leave the EMA's parameters alone: each is read by a second node of
+    the same target (``_param_constant6_1``), which a put-back once looked up by node name; the
+    runs do not write them at all now (no copy of the EMA outside the budget to put back)."""
+    from memplan.torch.run import budget as budget_module
+
+    measure, versions = budget_module.measure_op_workspace, []
+
+    def watched(capture, model_, optimizer, batch_, steps=None):
+        before = [p._version for p in ema.parameters()]
+        result = measure(capture, model_, optimizer, batch_, steps=steps)
+        versions.append((before, [p._version for p in ema.parameters()]))
+        return result
+
+    monkeypatch.setattr(budget_module, "measure_op_workspace", watched)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 2)
@@ -363,3 +419,4 @@ def test_an_ema_the_step_updates_under_a_budget_follows_eager() -> None:
         assert torch.equal(step(x), body(twin, twin_opt, twin_ema, x))
         for a, b in zip(ema.parameters(), twin_ema.parameters(), strict=True):
             assert torch.equal(a, b), k
+    assert versions and all(before == after for before, after in versions), versions

@@ -494,7 +494,8 @@ class _GradRecorder:
     """Records the storage of every gradient as autograd accumulates it."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.by_param: dict[str, int] = {}
+        self.by_param: dict[str, int] = {}  # the last gradient of each parameter
+        self._every: set[int] = set()  # every gradient, of every backward the step runs
         self._handles = [
             p.register_post_accumulate_grad_hook(lambda p, name=name: self._record(name, p))
             for name, p in model.named_parameters()
@@ -503,11 +504,15 @@ class _GradRecorder:
 
     @property
     def storages(self) -> set[int]:
-        return set(self.by_param.values())
+        """Every gradient's storage: a step with two backwards (a GAN's discriminator, then its
+        generator through the discriminator) gives a parameter a gradient in each, and an
+        optimizer's call reads the first one."""
+        return set(self._every)
 
     def _record(self, name: str, param: torch.Tensor) -> None:
         if param.grad is not None:
             self.by_param[name] = storage_key(param.grad)
+            self._every.add(self.by_param[name])
 
     def remove(self) -> None:
         for h in self._handles:

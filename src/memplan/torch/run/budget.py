@@ -78,6 +78,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch.fx
+
 import torch
 from memplan.errors import InfeasibleBudget, MemplanError
 from memplan.isolate import in_child
@@ -86,6 +88,7 @@ from memplan.torch.capture import Capture
 from memplan.torch.run.allocator import AllocationTrace, NativeReplay
 from memplan.torch.run.arena import SharedArena
 from memplan.torch.run.heap import blocks_mapped
+from memplan.torch.run.interpreter import _resolve
 from memplan.torch.run.profile import _measure_workspace, _ProfilingRunner
 from memplan.torch.run.replay import MAX_RECORDINGS, ReplayedStep
 
@@ -1171,20 +1174,24 @@ def measure_op_workspace(
     measures them), running ``steps`` (a plan's step sequence; program order when ``None``)
     twice, the first as warm-up. The model's parameters are used as they are, never copied and
     never written (no optimizer or other call of the step is made; a parameter written anyway
-    is refused), its buffers on a copy, the random generator and the other tensors the step
-    writes (an EMA, a counter) put back: the user's objects and random stream are untouched,
-    and the measurement holds no second copy of the model. CPU only (elsewhere: none)."""
+    is refused), its buffers on a copy, the random generator put back, and the in-place writes
+    into the other tensors the step writes (an EMA, a counter) not run (they are elementwise,
+    with no scratch; one whose result cannot be told is run on a copy put back after): the
+    user's objects and random stream are untouched, and the measurement holds no second copy
+    of the model or of an EMA of it, which a budget does not count. CPU only (elsewhere: none)."""
     if any(p.device.type != "cpu" for p in model.parameters()):
         return ()
-    from memplan.torch.run.constants import written_outside_state
+    from memplan.torch.run.constants import written_outside_state_by_id
 
     params = list(model.parameters())
     shared = copy.deepcopy(model, memo={id(p): p for p in params})  # buffers copied, parameters shared
     versions = [p._version for p in params]
-    others = [(t, t.detach().clone()) for t in written_outside_state(capture, model)]  # an EMA, a counter
+    outside = written_outside_state_by_id(capture, model)  # an EMA, a counter
+    runner = _WorkspaceRunner(capture, shared, optimizer, steps, set(outside))
+    kept: dict[int, torch.Tensor] = {id(t): t for i, t in outside.items() if i in runner.unskipped}
+    others = [(t, t.detach().clone()) for t in kept.values()]
     try:
         with torch.random.fork_rng(devices=[]), blocks_mapped():
-            runner = _WorkspaceRunner(capture, shared, optimizer, steps)
             runner(batch)  # warm-up: oneDNN primitives
             workspace = _measure_workspace(runner, batch)
     finally:
@@ -1201,12 +1208,52 @@ class _WorkspaceRunner(_ProfilingRunner):
     anyway) and no other object's call, so the parameters it shares with the user's model are
     not written. Not a training step, so not held to the self-check."""
 
-    def __init__(self, capture: Capture, model: torch.nn.Module, optimizer: Any, steps: Any) -> None:
+    def __init__(
+        self, capture: Capture, model: torch.nn.Module, optimizer: Any, steps: Any, outside: set[int] = frozenset()
+    ) -> None:
+        """``outside``: graph tensors the step writes besides the training state (an EMA);
+        the ops writing them in place are not run where their result is the written argument
+        (``unskipped``: those written by another op, which runs)."""
         super().__init__(capture, model, optimizer, steps)
         self._next_check = None
+        self.skipped: dict[str, int] = {}  # fx node -> the argument it writes and returns
+        self.unskipped: set[int] = set()
+        for op_id, op in enumerate(capture.graph.ops):
+            hit = outside.intersection(op.mutates)
+            if not hit:
+                continue
+            node = self.nodes[capture.node_of_op[op_id]]
+            index = returned_written_argument(node)
+            if index is None:
+                self.unskipped |= hit
+            else:
+                self.skipped[node.name] = index
+
+    def _run(self, ins: Any, env: dict[str, Any], recompute: bool) -> Any:
+        index = self.skipped.get(ins.node.name)
+        if index is None:
+            return super()._run(ins, env, recompute)
+        args, _ = _resolve((ins.node.args, ins.node.kwargs), env)
+        return args[index]
 
     def _update(self, ins: Any, env: dict[str, Any]) -> None:
         return None
+
+
+def returned_written_argument(node: torch.fx.Node) -> int | None:
+    """The positional argument an in-place aten op (``mul_``, ``add_``, ``copy_``) writes and
+    returns as its only result, by its schema's alias annotations; None for anything else."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or len(schema.returns) != 1:
+        return None
+    alias = schema.returns[0].alias_info
+    if alias is None or not alias.is_write:
+        return None
+    for index, argument in enumerate(schema.arguments[: len(node.args)]):
+        info = argument.alias_info
+        if info is not None and info.is_write and set(info.before_set) == set(alias.before_set):
+            return index if isinstance(node.args[index], torch.fx.Node) else None
+    return None
 
 
 __all__ = [

@@ -70,6 +70,14 @@ def written_outside_state(capture: Capture, model: torch.nn.Module) -> list[torc
     it: closure or module-level tensors and plain tensor attributes of its modules (an EMA's
     parameters, a step counter). What a run of the step for another purpose (measuring its
     kernels' workspace, a verifying rerun) must put back besides the training state."""
+    out: dict[int, torch.Tensor] = {}
+    for tensor in written_outside_state_by_id(capture, model).values():
+        out.setdefault(id(tensor), tensor)
+    return list(out.values())
+
+
+def written_outside_state_by_id(capture: Capture, model: torch.nn.Module) -> dict[int, torch.Tensor]:
+    """:func:`written_outside_state` by the graph's tensor id of each."""
     written = {t for op in capture.graph.ops for t in op.mutates}
     targets = {node.name: node.target for node in capture.gm.graph.nodes if node.op == "get_attr"}
     out: dict[int, torch.Tensor] = {}
@@ -77,10 +85,10 @@ def written_outside_state(capture: Capture, model: torch.nn.Module) -> list[torc
         if binding.kind not in ("object", "attribute"):
             continue
         value = getattr(capture.gm, targets[binding.node])  # a second read of one tensor is node "x_1" of target "x"
-        if capture.tensor_of_storage.get(storage_key(value)) in written:
-            tensor = binding.fetch()
-            out.setdefault(id(tensor), tensor)
-    return list(out.values())
+        t = capture.tensor_of_storage.get(storage_key(value))
+        if t in written:
+            out.setdefault(t, binding.fetch())
+    return out
 
 
 def _binding(
