@@ -412,6 +412,56 @@ def test_a_number_the_step_changes_each_call_is_refused_not_frozen() -> None:
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and not opt.state
 
 
+def test_an_lr_scheduler_memplan_was_not_given_is_refused_before_it_steps() -> None:
+    """Capture's runs stepped it twice and no planned step stepped it again: the learning rate
+    stayed where capture left it (OneCycleLR at its peak from the first call), silently."""
+    model = torch.nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    def body(b):
+        loss = _plain_step(model, opt, b)
+        scheduler.step()
+        return loss
+
+    with pytest.raises(UnsupportedOp, match=r"StepLR.step\(\) at test_refusals.py:\d+.*scheduler=") as refused:
+        memplan.compile(body, model=model, optimizer=opt)(_batch())
+    assert "\n" not in str(refused.value)
+    assert scheduler.last_epoch == 0 and opt.param_groups[0]["lr"] == 0.1 and not opt.state
+
+
+def test_a_learning_rate_the_step_sets_from_a_counter_is_refused_a_constant_one_kept() -> None:
+    """nanoGPT's ``g["lr"] = get_lr(it)`` inside the step: frozen at its capture value, silently;
+    refused now with the values capture's two runs set, and the user's value put back. A step
+    that sets the same value every call trains as eager."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    twin = copy.deepcopy(model)
+    opt, twin_opt = torch.optim.AdamW(model.parameters(), lr=1.0), torch.optim.AdamW(twin.parameters(), lr=1.0)
+    it = [0]
+
+    def warm_up(m, o, b):
+        for group in o.param_groups:
+            group["lr"] = 0.01 * (it[0] + 1)
+        it[0] += 1
+        return _plain_step(m, o, b)
+
+    with pytest.raises(UnsupportedOp, match=r"'lr': 0.01 -> 0.02.*between calls") as refused:
+        memplan.compile(lambda b: warm_up(model, opt, b), model=model, optimizer=opt)(_batch())
+    assert "\n" not in str(refused.value) and opt.param_groups[0]["lr"] == 1.0
+
+    def constant(m, o, b):
+        for group in o.param_groups:
+            group["lr"] = 0.01
+        return _plain_step(m, o, b)
+
+    step = memplan.compile(lambda b: constant(model, opt, b), model=model, optimizer=opt)
+    for _ in range(3):
+        batch = _batch()
+        assert torch.equal(step(batch), constant(twin, twin_opt, batch))
+        assert torch.equal(model.weight, twin.weight)
+
+
 def test_two_runs_are_compared_only_where_they_made_the_same_ops() -> None:
     from memplan.torch.capture.fake import op_scalars
     from memplan.torch.capture.literals import check_scalars_repeat

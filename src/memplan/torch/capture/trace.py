@@ -16,8 +16,9 @@ The fake runs change nothing of the user's: a real tensor the step writes (an EM
 and the random generators are put back after them (:func:`.fake.real_writes_undone`,
 :mod:`.generator`). What a replay could not do as eager does is refused in one line: setting
 the generator inside the step (:mod:`.generator`), Python numbers that change from one run to
-the next (:func:`.literals.check_scalars_repeat`), reading a value a stateful call computed
-(:func:`_read_region_writes_from_their_targets`).
+the next (:func:`.literals.check_scalars_repeat`), stepping an LR scheduler memplan was not
+given or changing the optimizers' hyper-parameters from one run to the next (:mod:`.hyper`),
+reading a value a stateful call computed (:func:`_read_region_writes_from_their_targets`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from memplan.torch.capture.fake import (
 from memplan.torch.capture.frames import user_location
 from memplan.torch.capture.generator import watching_generators
 from memplan.torch.capture.hf_masks import MaskGuard, follow_mask_shortcuts
+from memplan.torch.capture.hyper import watching_hyperparameters
 from memplan.torch.capture.literals import check_literals_repeat, check_scalars_repeat, same_literals
 from memplan.torch.capture.marks import BACKWARD_MARK, CALL_KIND, CALL_MARK, RELEASE_KIND
 from memplan.torch.capture.regions import CallRegion, RegionRecorder
@@ -274,6 +276,7 @@ def _capture_traced(
         watching_generators(mode) as generators,
         FakeSwap(mode, model, optimizers, scaler) as swap,
         guarded_casts(model),
+        watching_hyperparameters(optimizers, objects.schedulers) as hyper,
         recorder.installed(),
     ):
         take_literals(mode)
@@ -286,6 +289,7 @@ def _capture_traced(
                 _guarded(run, flat)
             _refuse_leftover_gradients(model)
             swap.refuse_rebound_tensors()
+            hyper.after_run(may_set=True)
         earlier_literals = take_literals(mode) if like is None and warm is None else None
         earlier_scalars = mode.scalar_log if logged else None
         recorder.reset()
@@ -299,6 +303,7 @@ def _capture_traced(
                 gm = _trace(run, flat)
             check_scalars_repeat(earlier_scalars, mode.scalar_log if logged else None)
             swap.refuse_rebound_tensors()
+            hyper.after_run(may_set=False)
         finally:
             grads.remove()
             if logged:
