@@ -331,6 +331,64 @@ def test_a_gan_step_with_two_backwards_and_two_optimizers_follows_eager(executor
             assert torch.equal(a, b), k
 
 
+@pytest.mark.parametrize("executor", ["generated", "interpreted"])
+def test_a_step_that_clears_the_gradients_first_trains_as_eager(executor: str) -> None:
+    """The tutorials' order, ``zero_grad()`` first (here PyTorch's DCGAN example: the
+    discriminator's update runs while the generator still holds the gradients of the previous
+    call, cleared later by ``netG.zero_grad()``): eager keeps the gradients from one call to
+    the next and the next call clears them before any backward reads them, so the planned
+    step frees them at its end (``.grad`` is None between calls) and trains bit for bit.
+    Refused before ("the step leaves a gradient"); a step that never clears them still is."""
+    torch.manual_seed(0)
+    gen = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    disc = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LeakyReLU(0.2), torch.nn.Linear(16, 1))
+    model = torch.nn.ModuleDict({"G": gen, "D": disc})
+    twin = copy.deepcopy(model)
+
+    def optimizers(m: torch.nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+        return (torch.optim.Adam(m["G"].parameters(), lr=1e-3), torch.optim.Adam(m["D"].parameters(), lr=1e-3))
+
+    (og, od), (twin_og, twin_od) = optimizers(model), optimizers(twin)
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+
+    def body(m, og, od, real, z):
+        m["D"].zero_grad()
+        label = torch.ones(real.shape[0], 1)
+        err_real = bce(m["D"](real), label)
+        err_real.backward()
+        fake = m["G"](z)
+        err_fake = bce(m["D"](fake.detach()), torch.zeros_like(label))
+        err_fake.backward()
+        od.step()
+        m["G"].zero_grad()
+        err_g = bce(m["D"](fake), label)
+        err_g.backward()
+        og.step()
+        return err_real + err_fake, err_g
+
+    step = memplan.compile(lambda b: body(model, og, od, *b), model=model, optimizer=[og, od], executor=executor)
+    for k in range(4):
+        real, z = torch.randn(16, 8), torch.randn(16, 4)
+        ours, theirs = step((real, z)), body(twin, twin_og, twin_od, real, z)
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)), k
+        for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+            assert torch.equal(a, b), k
+        assert all(p.grad is None for p in model.parameters())
+
+    plain = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+
+    def never_cleared(x):
+        loss = plain(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    with pytest.raises(MemplanError, match="that its next call accumulates into") as refused:
+        memplan.compile(never_cleared, model=plain, optimizer=opt)(torch.randn(8, 4))
+    assert "\n" not in str(refused.value) and plain.weight.grad is None
+
+
 def _counting_step(loss_of, opt: torch.optim.Optimizer, count: torch.Tensor):
     """A training step on ``loss_of(batch)`` that also counts its calls in ``count``, a tensor."""
 

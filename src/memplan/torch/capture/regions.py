@@ -56,6 +56,11 @@ class CallRegion:
         return getattr(self.owner, self.method)(*self.args, **self.kwargs)
 
 
+GRADIENT_METHODS = frozenset({"step", "unscale_"})
+"""Methods that read the gradients of their optimizer's parameters (``optimizer.step``,
+``scaler.step(optimizer)``, ``scaler.unscale_(optimizer)``)."""
+
+
 class RegionRecorder:
     """Wraps the methods of the step's stateful objects while capture runs (see the module
     docstring); ``regions`` lists the calls of the last run, outermost calls only."""
@@ -113,8 +118,10 @@ class RegionRecorder:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if self._depth:
                 return bound(*args, **kwargs)
-            region = CallRegion(len(self.regions), f"{role}.{method}", owner, method, args, kwargs, self._grads())
-            region.optimizer = owner if role == "optimizer" else _optimizer_argument(args, kwargs)
+            optimizer = owner if role == "optimizer" else _optimizer_argument(args, kwargs)
+            grads = self._grads(optimizer if method in GRADIENT_METHODS else None)
+            region = CallRegion(len(self.regions), f"{role}.{method}", owner, method, args, kwargs, grads)
+            region.optimizer = optimizer
             self.regions.append(region)
             self._depth += 1
             scalars = OptimizerScalars()
@@ -133,10 +140,14 @@ class RegionRecorder:
 
         return wrapper
 
-    def _grads(self) -> dict[str, tuple]:
+    def _grads(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, tuple]:
+        """The gradients the call may read: with ``optimizer``, those of its parameters only
+        (a GAN's discriminator update runs while the generator still holds the gradients its
+        previous call left, which the step clears later); else every parameter's."""
+        owned = None if optimizer is None else {id(p) for g in optimizer.param_groups for p in g["params"]}
         out = {}
         for name, p in self.model.named_parameters():
-            if p.grad is not None:
+            if p.grad is not None and (owned is None or id(p) in owned):
                 g = p.grad
                 out[name] = (storage_key(g), tuple(g.shape), tuple(g.stride()), g.storage_offset())
         return out

@@ -49,9 +49,9 @@ from memplan.torch.capture.regions import RegionRecorder
 from memplan.torch.capture.swap import FakeSwap
 from memplan.torch.capture.trace import (
     Capture,
+    _gradients_left,
     _GradRecorder,
     _guarded,
-    _refuse_leftover_gradients,
     op_flops,
     optimizer_state_meta,
     steady_like,
@@ -297,7 +297,8 @@ def _trace(
         if not steady:  # the optimizers' state made on fakes first, as capture_step does (static shapes)
             with mode:
                 _guarded(run, [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in flat])
-            _refuse_leftover_gradients(model)
+            if _gradients_left(model) and not template.leaves_gradients:
+                raise NotSymbolic("the step leaves gradients its concrete capture did not")
         take_literals(mode)
         recorder.reset()
         with mode:

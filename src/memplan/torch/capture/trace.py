@@ -100,6 +100,9 @@ class Capture:
     regions: list[CallRegion] = field(default_factory=list)  # calls of stateful objects (regions.py)
     op_region: list[int] = field(default_factory=list)  # op -> index of the call it belongs to, -1 if none
     fake_runs: int = 2  # runs of the step on fakes: 1 when a capture at another shape stood for the untraced one
+    # the step leaves gradients and its next call clears them before its backward (zero_grad()
+    # first, the tutorials' order): the planned step frees them (see _check_gradients_left)
+    leaves_gradients: bool = False
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     scaler: Any = None
 
@@ -281,13 +284,14 @@ def _capture_traced(
     ):
         take_literals(mode)
         logged = isinstance(mode, CaptureFakeMode) and like is None and warm is None
+        left: dict[str, torch.Tensor] | None = None  # the gradients the untraced run leaves
         if warm is not None:
             warm_optimizers(model, optimizers, mode, warm)
         elif like is None:
             # creates the optimizers' state lazily (plan the steady state), shows the literals and numbers
             with mode, generators.run(), scalars_logged(mode, recorder, logged):
                 _guarded(run, flat)
-            _refuse_leftover_gradients(model)
+            left = _gradients_left(model)
             swap.refuse_rebound_tensors()
             hyper.after_run(may_set=True)
         earlier_literals = take_literals(mode) if like is None and warm is None else None
@@ -308,7 +312,7 @@ def _capture_traced(
             grads.remove()
             if logged:
                 mode.scalar_log = None
-        _refuse_leftover_gradients(model)
+        leaves_gradients = _check_gradients_left(model, left, like)
         state_meta = {k: v for opt in optimizers for k, v in optimizer_state_meta(model, opt).items()}
     if not recorder.regions and optimizers:
         raise CaptureError("the step never calls optimizer.step(): memplan plans whole training steps")
@@ -332,6 +336,7 @@ def _capture_traced(
     elif not same_literals(gm, phases, like):
         raise _NotLike("the step makes other literals than at the other shape")
     capture.fake_runs = 1 if like is not None or warm is not None else 2
+    capture.leaves_gradients = leaves_gradients
     capture.recomputed = recomputed
     capture.grad_storage_by_param = dict(grads.by_param)
     capture.optimizer_state_meta = state_meta
@@ -422,13 +427,39 @@ def batch_constants(flat: Sequence[Any]) -> dict[int, Any]:
     return {i: leaf for i, leaf in enumerate(flat) if not isinstance(leaf, torch.Tensor)}
 
 
-def _refuse_leftover_gradients(model: torch.nn.Module) -> None:
-    left = [name for name, p in model.named_parameters() if p.grad is not None]
-    if left:
+def _gradients_left(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The gradients a run of the step left on the parameters, by parameter name."""
+    return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _check_gradients_left(model: torch.nn.Module, left: dict[str, torch.Tensor] | None, like: Any) -> bool:
+    """After the traced run: True when it leaves gradients that the step's next call clears
+    before its backward, as it cleared those ``left`` by the untraced run before it
+    (``optimizer.zero_grad()`` first, the tutorials' order); then eager's gradients live from
+    one call to the next and nothing reads them there, so the planned step frees them at its
+    end and trains exactly as eager. A gradient of ``left`` still on its parameter was never
+    cleared (eager accumulates across calls): refused, as is a traced run that leaves other
+    parameters' gradients than the untraced one. ``left`` None (a capture's only run, at
+    another shape or in a restarted process): allowed where ``like`` showed it, else
+    :class:`_NotLike` (the caller captures in full)."""
+    now = _gradients_left(model)
+    if not now:
+        return False
+    if left is None:
+        if like is not None and getattr(like, "leaves_gradients", False):
+            return True
+        raise _NotLike("the step leaves gradients: its two runs show whether the next call clears them")
+    kept = [name for name, g in now.items() if left.get(name) is g]
+    if kept or set(now) != set(left):
+        names = kept or sorted(set(now) ^ set(left)) or sorted(now)
         raise CaptureError(
-            f"the step leaves a gradient on {len(left)} parameter(s) ({left[0]}, ...): memplan plans steps that "
-            "clear them; end the step with optimizer.zero_grad() (set_to_none=True)"
+            f"the step leaves a gradient on {len(now)} parameter(s) ({names[0]}, ...) that its next call "
+            f"{'accumulates into' if kept else 'does not clear alike'}: memplan plans steps whose gradients start "
+            "from none; call optimizer.zero_grad() (set_to_none=True) at the start or the end of the step, and to "
+            "accumulate gradients over micro-batches, run them all in one step (a loop of backward() calls, then "
+            "optimizer.step())"
         )
+    return True
 
 
 def optimizer_state_meta(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, tuple]]:
