@@ -462,6 +462,23 @@ def test_a_learning_rate_the_step_sets_from_a_counter_is_refused_a_constant_one_
         assert torch.equal(model.weight, twin.weight)
 
 
+def test_a_sparse_embedding_is_refused_naming_it() -> None:
+    """Its sparse gradient failed inside capture ("Cannot access storage of SparseTensorImpl")."""
+    model = torch.nn.Sequential(torch.nn.Embedding(100, 8, sparse=True), torch.nn.Flatten(), torch.nn.Linear(40, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def body(x):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    with pytest.raises(UnsupportedOp, match=r"module '0' is an Embedding with sparse=True.*sparse=False") as refused:
+        memplan.compile(body, model=model, optimizer=opt)(torch.randint(0, 100, (4, 5)))
+    assert "\n" not in str(refused.value)
+
+
 def test_two_runs_are_compared_only_where_they_made_the_same_ops() -> None:
     from memplan.torch.capture.fake import op_scalars
     from memplan.torch.capture.literals import check_scalars_repeat

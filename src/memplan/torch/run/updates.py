@@ -83,6 +83,13 @@ def check_optimizers(optimizers: Sequence[torch.optim.Optimizer], model: torch.n
         if name in REFUSED_OPTIMIZERS and type(optimizer).__module__.startswith("torch.optim"):
             raise UnsupportedOp(f"optimizer {name} is not supported: it {REFUSED_OPTIMIZERS[name]}")
         owned |= {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for module_name, module in model.named_modules():
+        sparse = isinstance(module, torch.nn.Embedding | torch.nn.EmbeddingBag) and module.sparse
+        if sparse and module.weight.requires_grad:
+            raise UnsupportedOp(
+                f"module {module_name or type(module).__name__!r} is an {type(module).__name__} with sparse=True: "
+                "memplan plans dense gradients only; construct it with sparse=False"
+            )
     for param_name, param in model.named_parameters():
         if param.requires_grad and id(param) not in owned:
             raise UnsupportedOp(
