@@ -479,6 +479,30 @@ def test_a_sparse_embedding_is_refused_naming_it() -> None:
     assert "\n" not in str(refused.value)
 
 
+def test_a_tensor_the_step_keeps_outside_itself_is_refused_naming_where() -> None:
+    """``history.append(loss.detach())`` in the step, or a hook that keeps a layer's output: the
+    user's list got capture's two fake tensors and no planned step added to it, silently."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    history: list[torch.Tensor] = []
+    seen: dict[str, torch.Tensor] = {}
+
+    def body(b):
+        loss = _plain_step(model, opt, b)
+        history.append(loss.detach())
+        return loss
+
+    with pytest.raises(UnsupportedOp, match=r"keeps 2 tensor\(s\) it made outside itself \(in a list of 2 items\)"):
+        memplan.compile(body, model=model, optimizer=opt)(_batch())
+    hook = model[0].register_forward_hook(lambda module, args, out: seen.__setitem__("first", out.detach()))
+    with pytest.raises(UnsupportedOp, match=r"outside itself \(in a dict or an object's attribute, key 'first'\)"):
+        memplan.compile(lambda b: _plain_step(model, opt, b), model=model, optimizer=opt)(_batch())
+    hook.remove()
+    step = memplan.compile(lambda b: _plain_step(model, opt, b), model=model, optimizer=opt)
+    step(_batch())  # without the hook: planned
+
+
 def test_two_runs_are_compared_only_where_they_made_the_same_ops() -> None:
     from memplan.torch.capture.fake import op_scalars
     from memplan.torch.capture.literals import check_scalars_repeat

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,7 +34,9 @@ class CaptureFakeMode(FakeTensorMode):
       Python numbers it was given, so capture can check that two runs of the step pass the same
       ones (:func:`memplan.torch.capture.literals.check_scalars_repeat`);
     - while ``real_writes`` is a dict, a real tensor an op writes is copied first, so capture can
-      put it back (:func:`real_writes_undone`).
+      put it back (:func:`real_writes_undone`);
+    - while ``made`` is a list, a weak reference to each op's outputs is kept, so capture can
+      tell which ones the step left where its caller sees them (:mod:`memplan.torch.capture.escape`).
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -44,6 +47,7 @@ class CaptureFakeMode(FakeTensorMode):
         self.logging: Callable[[], bool] = lambda: True  # capture: outside the optimizers' calls
         self._depth = 0  # dispatches in progress: an op a decomposition makes inside another is not logged
         self.real_writes: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # id -> (tensor, before)
+        self.made: list[weakref.ref] | None = None  # while a list: each op's outputs (see .escape)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -53,9 +57,12 @@ class CaptureFakeMode(FakeTensorMode):
             self.scalar_log.append((func, op_scalars(args, kwargs)))  # the step's own ops, not a kernel's decomposition
         self._depth += 1
         try:
-            return self._dispatch(func, types, args, kwargs)
+            out = self._dispatch(func, types, args, kwargs)
         finally:
             self._depth -= 1
+        if self.made is not None and not self._depth:
+            self.made += [weakref.ref(t) for t in tensor_leaves(out) if is_fake(t)]
+        return out
 
     def _dispatch(self, func, types, args, kwargs):
         if self.real_writes is not None and func._schema.is_mutable:

@@ -18,6 +18,7 @@ and the random generators are put back after them (:func:`.fake.real_writes_undo
 the generator inside the step (:mod:`.generator`), Python numbers that change from one run to
 the next (:func:`.literals.check_scalars_repeat`), stepping an LR scheduler memplan was not
 given or changing the optimizers' hyper-parameters from one run to the next (:mod:`.hyper`),
+keeping a tensor it made outside itself (:mod:`.escape`),
 reading a value a stateful call computed (:func:`_read_region_writes_from_their_targets`).
 """
 
@@ -27,6 +28,7 @@ import contextlib
 import dataclasses
 import operator
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +42,7 @@ from memplan.errors import CaptureError, DataDependentControlFlow, DynamicShape,
 from memplan.graph.check import validate_graph
 from memplan.graph.ir import Category, Graph, Op, OpId, Tensor, TensorId
 from memplan.torch.capture.casts import guarded_casts
+from memplan.torch.capture.escape import held_by_program, refuse_escaped
 from memplan.torch.capture.fake import (
     CaptureFakeMode,
     fake_clone_module,
@@ -167,6 +170,7 @@ def capture_step(
     like: Capture | None = None,
     steady: Any = None,
     write_into_dying: bool = True,
+    refuse_escapes: bool = True,
 ) -> Capture:
     """Capture the whole step ``fn(batch)``: forward(s), backward(s), gradient clipping, the
     optimizers' and scaler's calls, as the user wrote it.
@@ -192,6 +196,8 @@ def capture_step(
 
     ``write_into_dying``: ops that may write over a dying input are rewritten to do so
     (:mod:`.inplace`); off where the program is not run by memplan (a SAC policy's ops are eager's).
+    ``refuse_escapes``: refuse a tensor the step keeps outside itself (:mod:`.escape`); off for
+    a step function of memplan's own that keeps its fakes by design (FSDP2's gathering).
     """
     refuse_unplanned_wrappers(model)
     mode = fake_mode_of(model) or new_fake_mode()
@@ -199,7 +205,7 @@ def capture_step(
     if scaler is not None and scaler.is_enabled() and scaler._scale is None:
         scaler._lazy_init_scale_growth_tracker(next(model.parameters()).device)  # as its first scale() would
     objects = _StepObjects(
-        fn, model, list(optimizers), scaler, list(schedulers), name, recompute_copies, write_into_dying
+        fn, model, list(optimizers), scaler, list(schedulers), name, recompute_copies, write_into_dying, refuse_escapes
     )
     if like is not None and steady_like(like, model, optimizers):
         try:
@@ -245,6 +251,7 @@ class _StepObjects:
     name: str
     recompute_copies: bool
     write_into_dying: bool = True
+    refuse_escapes: bool = True
 
 
 class _NotLike(Exception):
@@ -264,8 +271,26 @@ def steady_like(like: Capture, model: torch.nn.Module, optimizers: Sequence[torc
 def _capture_traced(
     objects: _StepObjects, batch: Any, mode: Any, like: Capture | None, warm: SteadyRecord | None = None
 ) -> Capture:
+    """:func:`_capture_runs`, then the refusal of a tensor the step left where its caller sees
+    it (:mod:`.escape`), once every reference of capture's own but the program's is gone."""
+    made: list[weakref.ref] = []
+    capture = _capture_runs(objects, batch, mode, like, warm, made)
+    if objects.refuse_escapes:
+        refuse_escaped(made, held_by_program(capture.gm))
+    return capture
+
+
+def _capture_runs(
+    objects: _StepObjects,
+    batch: Any,
+    mode: Any,
+    like: Capture | None,
+    warm: SteadyRecord | None,
+    made: list[weakref.ref],
+) -> Capture:
     """:func:`capture_step`'s fake runs; with ``like``, the traced run only; with ``warm``, the
-    traced run after the optimizers' state is made from the record (:mod:`.steady`)."""
+    traced run after the optimizers' state is made from the record (:mod:`.steady`). ``made``
+    gets a weak reference to every tensor the runs' ops make."""
     model, optimizers, scaler = objects.model, objects.optimizers, objects.scaler
     flat, spec = pytree.tree_flatten(_fake_batch(batch, mode))
     fn = objects.fn
@@ -284,6 +309,8 @@ def _capture_traced(
     ):
         take_literals(mode)
         logged = isinstance(mode, CaptureFakeMode) and like is None and warm is None
+        if isinstance(mode, CaptureFakeMode):
+            mode.made = made
         left: dict[str, torch.Tensor] | None = None  # the gradients the untraced run leaves
         if warm is not None:
             warm_optimizers(model, optimizers, mode, warm)
@@ -312,7 +339,12 @@ def _capture_traced(
             grads.remove()
             if logged:
                 mode.scalar_log = None
+            if isinstance(mode, CaptureFakeMode):
+                mode.made = None
         leaves_gradients = _check_gradients_left(model, left, like)
+        left = None
+        for p in model.parameters():
+            p.grad = None  # the fakes' gradients: no longer needed, not the user's (see .escape)
         state_meta = {k: v for opt in optimizers for k, v in optimizer_state_meta(model, opt).items()}
     if not recorder.regions and optimizers:
         raise CaptureError("the step never calls optimizer.step(): memplan plans whole training steps")

@@ -572,7 +572,10 @@ def capture_fsdp_step(
         twin.zero_grad(set_to_none=True)
         return loss
 
-    return capture_step(step, batch, model=shards, optimizers=[twin], recompute_copies=recompute_copies)
+    # the gathering keeps the gathered units' fakes by design: no tensor of the user's step escapes here
+    return capture_step(
+        step, batch, model=shards, optimizers=[twin], recompute_copies=recompute_copies, refuse_escapes=False
+    )
 
 
 def structure_fingerprint(capture: Capture) -> str:
