@@ -95,6 +95,32 @@ def test_a_restarted_step_uses_the_cached_plan_from_its_first_step_bit_for_bit(t
     _same_as_eager(warm_losses, warm_state, 3)
 
 
+def test_a_restarted_step_that_clears_its_gradients_first_is_traced_once(tmp_path):
+    """``zero_grad()`` first leaves gradients at the end of a run: the full capture's two runs
+    show the next call clears them, and the record says so, so the restart's one traced run
+    stands (before the record kept it, the restart captured in full)."""
+
+    def first(model, optimizer):
+        def step(batch):
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(model(batch[0]), batch[1])
+            loss.backward()
+            optimizer.step()
+            return loss
+
+        return step
+
+    runs = []
+    for _ in range(2):
+        model, optimizer = _model()
+        compiled = memplan.compile(first(model, optimizer), model=model, optimizer=optimizer, plan_cache=tmp_path)
+        torch.manual_seed(2)
+        losses = [compiled(b).detach() for b in _batches(2)]
+        runs.append(compiled.report["first_steps"]["fake_runs"])
+        _same_as_eager(losses, snapshot(model, optimizer), 2)
+    assert runs == [2, 1]
+
+
 FOREIGN = json.dumps({"format": "something-else", "version": 1})
 
 

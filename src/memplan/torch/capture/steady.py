@@ -48,6 +48,7 @@ class SteadyRecord:
     literals: Any
     recomputed: tuple[str, ...]
     fingerprint: str
+    leaves_gradients: bool = False  # the full capture's two runs showed the next call clears them
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -55,13 +56,17 @@ class SteadyRecord:
             "literals": self.literals,
             "recomputed": list(self.recomputed),
             "fingerprint": self.fingerprint,
+            "leaves_gradients": self.leaves_gradients,
         }
 
     @classmethod
     def from_json(cls, data: Any) -> SteadyRecord:
         """Raises (KeyError, TypeError, ValueError) on a malformed entry."""
         recomputed = tuple(str(name) for name in data["recomputed"])
-        return cls(data["state_meta"], data["literals"], recomputed, str(data["fingerprint"]))
+        leaves = data.get("leaves_gradients", False)
+        if not isinstance(leaves, bool):
+            raise TypeError(f"leaves_gradients must be true or false, not {leaves!r}")
+        return cls(data["state_meta"], data["literals"], recomputed, str(data["fingerprint"]), leaves)
 
 
 def jsonable(value: Any) -> Any:

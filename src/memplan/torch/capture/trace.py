@@ -234,7 +234,9 @@ def _capture_steady(objects: _StepObjects, batch: Any, mode: Any, store: Any) ->
     capture = _capture_traced(objects, batch, mode, None)
     phases = dict(zip(capture.node_of_op, capture.op_phase, strict=True))
     state, literals = jsonable(capture.optimizer_state_meta), literal_counts(capture.gm, phases)
-    record = SteadyRecord(state, literals, tuple(capture.recomputed), store.fingerprint(capture))
+    record = SteadyRecord(
+        state, literals, tuple(capture.recomputed), store.fingerprint(capture), capture.leaves_gradients
+    )
     store.keep_steady_record(parts, record)
     return capture
 
@@ -341,7 +343,7 @@ def _capture_runs(
                 mode.scalar_log = None
             if isinstance(mode, CaptureFakeMode):
                 mode.made = None
-        leaves_gradients = _check_gradients_left(model, left, like)
+        leaves_gradients = _check_gradients_left(model, left, like or warm)
         left = None
         for p in model.parameters():
             p.grad = None  # the fakes' gradients: no longer needed, not the user's (see .escape)
@@ -473,7 +475,8 @@ def _check_gradients_left(model: torch.nn.Module, left: dict[str, torch.Tensor] 
     cleared (eager accumulates across calls): refused, as is a traced run that leaves other
     parameters' gradients than the untraced one. ``left`` None (a capture's only run, at
     another shape or in a restarted process): allowed where ``like`` showed it, else
-    :class:`_NotLike` (the caller captures in full)."""
+    :class:`_NotLike` (the caller captures in full); ``like`` may be a plan cache's record of
+    a full capture (:class:`.steady.SteadyRecord`) as well."""
     now = _gradients_left(model)
     if not now:
         return False
