@@ -503,6 +503,40 @@ def test_a_tensor_the_step_keeps_outside_itself_is_refused_naming_where() -> Non
     step(_batch())  # without the hook: planned
 
 
+def test_a_gradient_left_on_the_batch_is_refused_and_autograd_grad_trains_as_eager() -> None:
+    """FGSM with ``x.requires_grad_(); loss.backward(); x.grad``: capture's traced run
+    accumulated into the gradient its untraced run left on the fake batch and was refused with
+    "reads a tensor _tensor_constant0 ... whose value capture cannot know"; refused now naming
+    it, and the form with ``torch.autograd.grad`` trains bit for bit."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    twin = copy.deepcopy(model)
+    opt, twin_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(twin.parameters(), lr=0.1)
+
+    def with_dot_grad(b):
+        x, y = b
+        x.requires_grad_(True)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        x_adv = (x + 0.1 * x.grad.sign()).detach()
+        opt.zero_grad()
+        return _plain_step(model, opt, (x_adv, y))
+
+    with pytest.raises(UnsupportedOp, match=r"gradient on its batch input \(leaf 0.*torch.autograd.grad") as refused:
+        memplan.compile(with_dot_grad, model=model, optimizer=opt)(_batch())
+    assert "\n" not in str(refused.value)
+
+    def with_autograd_grad(m, o, b):
+        x = b[0].clone().requires_grad_(True)
+        (gx,) = torch.autograd.grad(torch.nn.functional.mse_loss(m(x), b[1]), x)
+        return _plain_step(m, o, ((x + 0.1 * gx.sign()).detach(), b[1]))
+
+    step = memplan.compile(lambda b: with_autograd_grad(model, opt, b), model=model, optimizer=opt)
+    for _ in range(3):
+        batch = _batch()
+        assert torch.equal(step(batch), with_autograd_grad(twin, twin_opt, batch))
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+
+
 def test_two_runs_are_compared_only_where_they_made_the_same_ops() -> None:
     from memplan.torch.capture.fake import op_scalars
     from memplan.torch.capture.literals import check_scalars_repeat

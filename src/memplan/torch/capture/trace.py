@@ -323,6 +323,7 @@ def _capture_runs(
             left = _gradients_left(model)
             swap.refuse_rebound_tensors()
             hyper.after_run(may_set=True)
+            _refuse_batch_gradients(flat)
         earlier_literals = take_literals(mode) if like is None and warm is None else None
         earlier_scalars = mode.scalar_log if logged else None
         recorder.reset()
@@ -459,6 +460,20 @@ def batch_constants(flat: Sequence[Any]) -> dict[int, Any]:
     """The leaves of a flattened batch that are not tensors, by position: ``None`` for an
     absent target, a flag, a number. ``make_fx`` traces the step for these very values."""
     return {i: leaf for i, leaf in enumerate(flat) if not isinstance(leaf, torch.Tensor)}
+
+
+def _refuse_batch_gradients(flat: Sequence[Any]) -> None:
+    """A step that gives its batch input a gradient (FGSM's ``x.requires_grad_();
+    loss.backward(); x.grad``) is refused: eager sets ``requires_grad`` and ``.grad`` on the
+    caller's tensor, and a batch passed again accumulates into its ``.grad``; the planned step
+    computes that gradient inside itself and leaves the caller's tensor as it was."""
+    given = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.grad is not None]
+    if given:
+        raise UnsupportedOp(
+            f"the step leaves a gradient on its batch input (leaf {given[0]} of the batch: x.requires_grad_() then "
+            "backward()), which memplan does not set on the caller's tensor; take it inside the step with "
+            "torch.autograd.grad(loss, x) on x = x.clone().requires_grad_()"
+        )
 
 
 def _gradients_left(model: torch.nn.Module) -> dict[str, torch.Tensor]:
