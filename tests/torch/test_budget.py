@@ -137,6 +137,7 @@ def test_an_infeasible_budget_says_the_smallest_peak_in_one_line() -> None:
     assert "\n" not in message
     assert "smallest peak found is" in message and "raise memory_budget" in message
     assert "no plan exists (proven)" in message and "time_limit_seconds" not in message  # more time cannot help
+    assert "plus the kernels' scratch (not measured yet" in message  # refused before any kernel ran
 
 
 def test_budget_with_a_scaler_or_two_optimizers_is_refused() -> None:

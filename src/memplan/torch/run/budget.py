@@ -624,6 +624,7 @@ def _probe_plan(
                 time_limit_seconds=time_limit_seconds,
                 outside_bytes=outside_bytes,
                 named_bytes=named_bytes,
+                workspace_unmeasured=True,
             )
         )
     return schedule
@@ -1015,8 +1016,11 @@ def _infeasible_message(
     time_limit_seconds: float = 10.0,
     outside_bytes: int = 0,
     named_bytes: int | None = None,
+    workspace_unmeasured: bool = False,
 ) -> str:
     """One line: the budget, the smallest peak known to be reachable, and what to do.
+    ``workspace_unmeasured``: refused before the kernels' scratch was measured (no kernel has
+    run yet), so the advice says the scratch comes on top of the bytes it names.
     ``user_bytes``: the user's budget when ``budget_bytes`` is one tightened for placement;
     ``reordered_bytes``: the reordered plan's peak (it runs with no recomputation), a peak memplan
     can run even where every remat plan found was larger (before placement); ``runnable_bytes``:
@@ -1060,7 +1064,9 @@ def _infeasible_message(
     return (
         f"{head}; the smallest peak found is {format_bytes(lowest)} (no plan goes below {format_bytes(floor)}, "
         f"checkpoint-all needs {format_bytes(reference)}): raise memory_budget to at least "
-        f"{format_at_least(advice)}{more_time}"
+        f"{format_at_least(advice)}"
+        + (" plus the kernels' scratch (not measured yet: no kernel runs before a refusal)" * workspace_unmeasured)
+        + more_time
         + (f" (memplan's own {format_bytes(outside_bytes)} included)" if outside_bytes else "")
     )
 
