@@ -537,6 +537,26 @@ def test_a_gradient_left_on_the_batch_is_refused_and_autograd_grad_trains_as_eag
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
 
 
+def test_a_torch_compiled_function_in_the_step_is_refused_not_run_on_fakes() -> None:
+    """``torch.compile(F.cross_entropy)`` called in the step: capture's fake run ran inductor's
+    kernels on fakes and the process died (segmentation fault). Now nothing compiles while
+    capture runs, and the step is refused in one line naming the call."""
+    model = torch.nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled_loss = torch.compile(torch.nn.functional.mse_loss)
+
+    def body(b):
+        loss = compiled_loss(model(b[0]), b[1])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    with pytest.raises(UnsupportedOp, match=r"compiled with torch.compile at test_refusals.py:\d+") as refused:
+        memplan.compile(body, model=model, optimizer=opt)(_batch())
+    assert "\n" not in str(refused.value) and not opt.state
+
+
 def test_two_runs_are_compared_only_where_they_made_the_same_ops() -> None:
     from memplan.torch.capture.fake import op_scalars
     from memplan.torch.capture.literals import check_scalars_repeat

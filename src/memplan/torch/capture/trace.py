@@ -18,7 +18,8 @@ and the random generators are put back after them (:func:`.fake.real_writes_undo
 the generator inside the step (:mod:`.generator`), Python numbers that change from one run to
 the next (:func:`.literals.check_scalars_repeat`), stepping an LR scheduler memplan was not
 given or changing the optimizers' hyper-parameters from one run to the next (:mod:`.hyper`),
-keeping a tensor it made outside itself (:mod:`.escape`),
+keeping a tensor it made outside itself (:mod:`.escape`), calling a ``torch.compile``d function
+(:mod:`.compiled`),
 reading a value a stateful call computed (:func:`_read_region_writes_from_their_targets`).
 """
 
@@ -42,6 +43,7 @@ from memplan.errors import CaptureError, DataDependentControlFlow, DynamicShape,
 from memplan.graph.check import validate_graph
 from memplan.graph.ir import Category, Graph, Op, OpId, Tensor, TensorId
 from memplan.torch.capture.casts import guarded_casts
+from memplan.torch.capture.compiled import watching_compiled_calls
 from memplan.torch.capture.escape import held_by_program, refuse_escaped
 from memplan.torch.capture.fake import (
     CaptureFakeMode,
@@ -307,6 +309,7 @@ def _capture_runs(
         FakeSwap(mode, model, optimizers, scaler) as swap,
         guarded_casts(model),
         watching_hyperparameters(optimizers, objects.schedulers) as hyper,
+        watching_compiled_calls() as compiled,
         recorder.installed(),
     ):
         take_literals(mode)
@@ -320,6 +323,7 @@ def _capture_runs(
             # creates the optimizers' state lazily (plan the steady state), shows the literals and numbers
             with mode, generators.run(), scalars_logged(mode, recorder, logged):
                 _guarded(run, flat)
+            compiled.refuse()
             left = _gradients_left(model)
             swap.refuse_rebound_tensors()
             hyper.after_run(may_set=True)
@@ -335,6 +339,7 @@ def _capture_runs(
         try:
             with follow_mask_shortcuts(batch, mask_guards), generators.run(), scalars_logged(mode, recorder, logged):
                 gm = _trace(run, flat)
+            compiled.refuse()
             check_scalars_repeat(earlier_scalars, mode.scalar_log if logged else None)
             swap.refuse_rebound_tensors()
             hyper.after_run(may_set=False)
