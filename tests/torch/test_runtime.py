@@ -287,13 +287,8 @@ def test_an_ema_and_a_counter_the_step_updates_follow_eager_from_the_first_call(
             assert torch.equal(a, b), k
 
 
-@pytest.mark.parametrize(("executor", "allocator"), [("generated", "views"), ("interpreted", "replay")])
-def test_a_gan_step_with_two_backwards_and_two_optimizers_follows_eager(executor: str, allocator: str) -> None:
-    """A GAN step: the discriminator's backward and update, then the generator's backward
-    through the discriminator, which gives the discriminator's parameters a second gradient
-    that is thrown away. The first gradient's storage was not kept from the in-place rewrite
-    (only each parameter's last gradient was), so it moved and the step was refused with
-    "could not find the gradient of 'D.0.weight'"."""
+def _gan() -> tuple[torch.nn.Module, torch.nn.Module, tuple, tuple]:
+    """A generator and a discriminator in one ModuleDict, its twin, and an Adam for each part of each."""
     torch.manual_seed(0)
     gen = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
     disc = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LeakyReLU(0.2), torch.nn.Linear(16, 1))
@@ -303,7 +298,17 @@ def test_a_gan_step_with_two_backwards_and_two_optimizers_follows_eager(executor
     def optimizers(m: torch.nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
         return (torch.optim.Adam(m["G"].parameters(), lr=1e-3), torch.optim.Adam(m["D"].parameters(), lr=1e-3))
 
-    (og, od), (twin_og, twin_od) = optimizers(model), optimizers(twin)
+    return model, twin, optimizers(model), optimizers(twin)
+
+
+@pytest.mark.parametrize(("executor", "allocator"), [("generated", "views"), ("interpreted", "replay")])
+def test_a_gan_step_with_two_backwards_and_two_optimizers_follows_eager(executor: str, allocator: str) -> None:
+    """A GAN step: the discriminator's backward and update, then the generator's backward
+    through the discriminator, which gives the discriminator's parameters a second gradient
+    that is thrown away. The first gradient's storage was not kept from the in-place rewrite
+    (only each parameter's last gradient was), so it moved and the step was refused with
+    "could not find the gradient of 'D.0.weight'"."""
+    model, twin, (og, od), (twin_og, twin_od) = _gan()
     bce = torch.nn.functional.binary_cross_entropy_with_logits
 
     def body(m, og, od, real, z):
@@ -339,16 +344,7 @@ def test_a_step_that_clears_the_gradients_first_trains_as_eager(executor: str) -
     the next and the next call clears them before any backward reads them, so the planned
     step frees them at its end (``.grad`` is None between calls) and trains bit for bit.
     Refused before ("the step leaves a gradient"); a step that never clears them still is."""
-    torch.manual_seed(0)
-    gen = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
-    disc = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LeakyReLU(0.2), torch.nn.Linear(16, 1))
-    model = torch.nn.ModuleDict({"G": gen, "D": disc})
-    twin = copy.deepcopy(model)
-
-    def optimizers(m: torch.nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
-        return (torch.optim.Adam(m["G"].parameters(), lr=1e-3), torch.optim.Adam(m["D"].parameters(), lr=1e-3))
-
-    (og, od), (twin_og, twin_od) = optimizers(model), optimizers(twin)
+    model, twin, (og, od), (twin_og, twin_od) = _gan()
     bce = torch.nn.functional.binary_cross_entropy_with_logits
 
     def body(m, og, od, real, z):

@@ -965,7 +965,7 @@ def _read_region_writes_from_their_targets(
     changed = False
     for node in gm.graph.nodes:
         if region_of.get(node.name, -1) >= 0:
-            written = _written_argument(node)
+            written = written_argument(node)
             if written is not None:
                 target_of[node.name] = target_of.get(written.name, written)
             continue
@@ -985,7 +985,7 @@ def _read_region_writes_from_their_targets(
         gm.recompile()
 
 
-def _written_argument(node: torch.fx.Node) -> torch.fx.Node | None:
+def written_argument(node: torch.fx.Node) -> torch.fx.Node | None:
     """The argument an in-place or out= op writes and returns (``add_``'s ``self``), if any."""
     schema = getattr(node.target, "_schema", None)
     if node.op != "call_function" or schema is None or len(schema.returns) != 1:

@@ -85,6 +85,7 @@ from memplan.errors import InfeasibleBudget, MemplanError
 from memplan.isolate import in_child
 from memplan.report.format import format_bytes
 from memplan.torch.capture import Capture
+from memplan.torch.capture.trace import written_argument
 from memplan.torch.run.allocator import AllocationTrace, NativeReplay
 from memplan.torch.run.arena import SharedArena
 from memplan.torch.run.heap import blocks_mapped
@@ -1222,44 +1223,27 @@ class _WorkspaceRunner(_ProfilingRunner):
         (``unskipped``: those written by another op, which runs)."""
         super().__init__(capture, model, optimizer, steps)
         self._next_check = None
-        self.skipped: dict[str, int] = {}  # fx node -> the argument it writes and returns
+        self.skipped: dict[str, torch.fx.Node] = {}  # fx node -> the argument it writes and returns
         self.unskipped: set[int] = set()
         for op_id, op in enumerate(capture.graph.ops):
             hit = outside.intersection(op.mutates)
             if not hit:
                 continue
             node = self.nodes[capture.node_of_op[op_id]]
-            index = returned_written_argument(node)
-            if index is None:
+            written = written_argument(node)
+            if written is None:
                 self.unskipped |= hit
             else:
-                self.skipped[node.name] = index
+                self.skipped[node.name] = written
 
     def _run(self, ins: Any, env: dict[str, Any], recompute: bool) -> Any:
-        index = self.skipped.get(ins.node.name)
-        if index is None:
+        written = self.skipped.get(ins.node.name)
+        if written is None:
             return super()._run(ins, env, recompute)
-        args, _ = _resolve((ins.node.args, ins.node.kwargs), env)
-        return args[index]
+        return _resolve(written, env)
 
     def _update(self, ins: Any, env: dict[str, Any]) -> None:
         return None
-
-
-def returned_written_argument(node: torch.fx.Node) -> int | None:
-    """The positional argument an in-place aten op (``mul_``, ``add_``, ``copy_``) writes and
-    returns as its only result, by its schema's alias annotations; None for anything else."""
-    schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or schema is None or len(schema.returns) != 1:
-        return None
-    alias = schema.returns[0].alias_info
-    if alias is None or not alias.is_write:
-        return None
-    for index, argument in enumerate(schema.arguments[: len(node.args)]):
-        info = argument.alias_info
-        if info is not None and info.is_write and set(info.before_set) == set(alias.before_set):
-            return index if isinstance(node.args[index], torch.fx.Node) else None
-    return None
 
 
 __all__ = [
