@@ -310,12 +310,11 @@ def _capture_runs(
         guarded_casts(model),
         watching_hyperparameters(optimizers, objects.schedulers) as hyper,
         watching_compiled_calls() as compiled,
+        _noting_made(mode, made),
         recorder.installed(),
     ):
         take_literals(mode)
         logged = isinstance(mode, CaptureFakeMode) and like is None and warm is None
-        if isinstance(mode, CaptureFakeMode):
-            mode.made = made
         left: dict[str, torch.Tensor] | None = None  # the gradients the untraced run leaves
         if warm is not None:
             warm_optimizers(model, optimizers, mode, warm)
@@ -347,8 +346,6 @@ def _capture_runs(
             grads.remove()
             if logged:
                 mode.scalar_log = None
-            if isinstance(mode, CaptureFakeMode):
-                mode.made = None
         leaves_gradients = _check_gradients_left(model, left, like or warm)
         left = None
         for p in model.parameters():
@@ -465,6 +462,19 @@ def batch_constants(flat: Sequence[Any]) -> dict[int, Any]:
     """The leaves of a flattened batch that are not tensors, by position: ``None`` for an
     absent target, a flag, a number. ``make_fx`` traces the step for these very values."""
     return {i: leaf for i, leaf in enumerate(flat) if not isinstance(leaf, torch.Tensor)}
+
+
+@contextlib.contextmanager
+def _noting_made(mode: Any, made: list[weakref.ref]) -> Iterator[None]:
+    """While capture runs the step: ``made`` gets a weak reference to each op's outputs (:mod:`.escape`)."""
+    if not isinstance(mode, CaptureFakeMode):
+        yield
+        return
+    mode.made = made
+    try:
+        yield
+    finally:
+        mode.made = None
 
 
 def _refuse_batch_gradients(flat: Sequence[Any]) -> None:
