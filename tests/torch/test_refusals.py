@@ -27,7 +27,14 @@ import torch.distributed as dist
 
 import memplan
 import torch
-from memplan.errors import CaptureError, DynamicShape, ModuleCast, UnplannedWrapper, UnsupportedOp
+from memplan.errors import (
+    CaptureError,
+    DataDependentControlFlow,
+    DynamicShape,
+    ModuleCast,
+    UnplannedWrapper,
+    UnsupportedOp,
+)
 from memplan.torch.capture.wrappers import refuse_unplanned_wrappers
 from memplan.torch.equivalence import differences, snapshot
 
@@ -555,6 +562,39 @@ def test_a_torch_compiled_function_in_the_step_is_refused_not_run_on_fakes() -> 
     with pytest.raises(UnsupportedOp, match=r"compiled with torch.compile at test_refusals.py:\d+") as refused:
         memplan.compile(body, model=model, optimizer=opt)(_batch())
     assert "\n" not in str(refused.value) and not opt.state
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_torch_distributions_argument_checks_are_named_and_a_vae_trains_without_them(validate: bool) -> None:
+    """A VAE's ``Normal(mu, std).rsample()``: the distribution checks its arguments' values in
+    Python (on by default), which a planned step cannot; the refusal says how to turn the
+    checks off, and with them off the step trains bit for bit."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    twin = copy.deepcopy(model)
+    opt, twin_opt = torch.optim.Adam(model.parameters(), lr=1e-3), torch.optim.Adam(twin.parameters(), lr=1e-3)
+
+    def body(m, o, b):
+        mu, log_var = m(b[0]).chunk(2, -1)
+        q = torch.distributions.Normal(mu, (0.5 * log_var).exp(), validate_args=validate)
+        loss = q.rsample().pow(2).mean() + q.entropy().mean()
+        loss.backward()
+        o.step()
+        o.zero_grad()
+        return loss
+
+    step = memplan.compile(lambda b: body(model, opt, b), model=model, optimizer=opt)
+    if validate:
+        with pytest.raises(DataDependentControlFlow, match=r"validate_args=False.*set_default_validate_args\(False\)"):
+            step(_batch())
+        return
+    for k in range(3):
+        batch = _batch()
+        torch.manual_seed(k)
+        ours = step(batch)
+        torch.manual_seed(k)
+        assert torch.equal(ours, body(twin, twin_opt, batch)), k
+        assert torch.equal(model.weight, twin.weight), k
 
 
 def test_two_runs_are_compared_only_where_they_made_the_same_ops() -> None:

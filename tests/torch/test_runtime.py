@@ -385,6 +385,37 @@ def test_a_step_that_clears_the_gradients_first_trains_as_eager(executor: str) -
     assert "\n" not in str(refused.value) and plain.weight.grad is None
 
 
+def test_gradients_the_step_assigns_itself_train_as_eager() -> None:
+    """Per-sample gradients (``torch.func.vmap(torch.func.grad(...))``), clipped and averaged by
+    hand and assigned to ``.grad`` (no backward, so no gradient hook fires): the self-check
+    stopped the first planned step ("parameter '0.weight' was written by the step, which
+    eager's step would not do"), as capture had not counted them as gradients."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    twin = copy.deepcopy(model)
+    opt, twin_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(twin.parameters(), lr=0.1)
+
+    def body(m, o, b):
+        params = {k: v.detach() for k, v in m.named_parameters()}
+
+        def loss(p, x, y):
+            return torch.nn.functional.cross_entropy(torch.func.functional_call(m, p, (x[None],)), y[None])
+
+        per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, b[0], b[1])
+        with torch.no_grad():
+            for k, v in m.named_parameters():
+                v.grad = per_sample[k].clamp(-1, 1).mean(0)
+        o.step()
+        o.zero_grad()
+        return per_sample["0.weight"].norm()
+
+    step = memplan.compile(lambda b: body(model, opt, b), model=model, optimizer=opt)
+    for k in range(3):
+        batch = (torch.randn(16, 8), torch.randint(0, 4, (16,)))
+        assert torch.equal(step(batch), body(twin, twin_opt, batch)), k
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True)), k
+
+
 def _counting_step(loss_of, opt: torch.optim.Optimizer, count: torch.Tensor):
     """A training step on ``loss_of(batch)`` that also counts its calls in ``count``, a tensor."""
 

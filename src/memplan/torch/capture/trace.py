@@ -32,6 +32,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch.fx
@@ -59,7 +60,7 @@ from memplan.torch.capture.hf_masks import MaskGuard, follow_mask_shortcuts
 from memplan.torch.capture.hyper import watching_hyperparameters
 from memplan.torch.capture.literals import check_literals_repeat, check_scalars_repeat, same_literals
 from memplan.torch.capture.marks import BACKWARD_MARK, CALL_KIND, CALL_MARK, RELEASE_KIND
-from memplan.torch.capture.regions import CallRegion, RegionRecorder
+from memplan.torch.capture.regions import GRADIENT_METHODS, CallRegion, RegionRecorder
 from memplan.torch.capture.steady import (
     SteadyRecord,
     eligible,
@@ -354,6 +355,7 @@ def _capture_runs(
     if not recorder.regions and optimizers:
         raise CaptureError("the step never calls optimizer.step(): memplan plans whole training steps")
     regions = recorder.regions
+    grads.add_assigned(regions)
 
     def to_capture(g: torch.fx.GraphModule, seconds: float) -> Capture:
         return _to_capture(g, categories, grads.storages, "train", seconds, objects.name, regions)
@@ -619,6 +621,18 @@ class _GradRecorder:
         for h in self._handles:
             h.remove()
 
+    def add_assigned(self, regions: Sequence[CallRegion]) -> None:
+        """The gradients the step assigned to ``.grad`` itself (per-sample gradients clipped
+        and averaged by hand, ``p.grad = g``): no hook fires for an assignment, but the
+        optimizer's call read them (its region's ``grads``, its own parameters only)."""
+        for region in regions:
+            if region.optimizer is None or region.method not in GRADIENT_METHODS:
+                continue
+            for name, (key, *_) in region.grads.items():
+                if name not in self.by_param:
+                    self.by_param[name] = key
+                    self._every.add(key)
+
 
 def _persistent_categories(
     model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer] = (), scaler: Any = None
@@ -685,7 +699,7 @@ def _guarded(fn: Callable, *args: Any) -> Any:
                 f"the step reads a tensor's value into Python{_where(err)} (.item(), float(t), or an if on a tensor); "
                 "memplan replays the step's ops and cannot hand Python a value in the middle of them: return the "
                 "tensor and read it after the call (loss.item() outside the step), or take the branch out of the step "
-                "(data-dependent control flow)"
+                f"(data-dependent control flow){_distributions_advice(err)}"
             ) from None
         raise DataDependentControlFlow(
             f"the step reads a tensor's value ({err.func}{_where(err)}) to decide what to run (data-dependent "
@@ -702,6 +716,23 @@ def _guarded(fn: Callable, *args: Any) -> Any:
         raise CaptureError(
             f"the step raised {type(err).__name__}{_where(err)} while being captured: {first_line}"
         ) from err
+
+
+DISTRIBUTIONS = Path(torch.distributions.__file__).parent
+
+
+def _distributions_advice(err: BaseException) -> str:
+    """Where ``torch.distributions`` read the value (its argument checks, on by default): how
+    to turn them off, which VAEs' and policy gradients' steps need."""
+    import traceback
+
+    frames = traceback.extract_tb(err.__traceback__)
+    if not any(Path(f.filename).is_relative_to(DISTRIBUTIONS) for f in frames):
+        return ""
+    return (
+        "; here torch.distributions checks its arguments' values: pass validate_args=False to the "
+        "distribution, or call torch.distributions.Distribution.set_default_validate_args(False)"
+    )
 
 
 def _where(err: BaseException) -> str:
