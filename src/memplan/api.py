@@ -42,7 +42,7 @@ from memplan.isolate import in_child
 from memplan.pipeline import COMPILE_REORDER_GAP, MemoryPlan, make_plan
 from memplan.torch.capture import Capture, capture_infer_step, capture_step
 from memplan.torch.capture.symbolic import NotSymbolic, SymbolicStep, state_meta, trace_symbolic
-from memplan.torch.capture.trace import standard_step
+from memplan.torch.capture.trace import outside_modes_hold, standard_step
 from memplan.torch.capture.wrappers import refuse_unplanned_wrappers
 from memplan.torch.rss import release_free_memory
 from memplan.torch.run.allocator import alignment_for
@@ -323,6 +323,7 @@ class CompiledStep:
         self._own_arena: set[int] = set()  # runners (views-mode budget plans) that keep their own arena
         self.arena = SharedArena(device)  # one arena for every shape (Sekiyama 4.3)
         self._kept: LruCache[tuple[StepRunner | ReplayedStep, MemoryPlan]] = LruCache(max_plans)
+        self._outside_of: dict[tuple, list] = {}  # key -> its capture's modules outside the model, and their modes
         self.plans_made = 0
         self.planning_seconds = 0.0  # capture and graph plan, for every shape (the placement of recorded steps too)
         # plans on disk (memplan.torch.run.plancache); not under a budget, which depends on this machine's memory
@@ -415,6 +416,9 @@ class CompiledStep:
         least recently used plan is dropped when more than ``max_plans`` are kept."""
         key = (shape_key(batch), mode_key(self.model))
         kept = self._kept.get(key)
+        if kept is not None and not outside_modes_hold(self._outside_of.get(key, [])):
+            kept = None  # a module outside the model changed mode (a teacher put in train mode): capture again
+            self._templates = [t for t in self._templates if t.key != key]
         if kept is None:
             start = time.perf_counter()
             budgeted = self.memory_budget is not None or self.max_overhead is not None
@@ -458,6 +462,7 @@ class CompiledStep:
             plan.report["allocator_reason"] = self.allocator_reason
             self._check_once_per_program(runner)
             self._kept.put(key, (runner, plan))  # the evicted plans are dropped here
+            self._outside_of[key] = capture.outside_modules
             self._fit_arena()
             if not self._quiet:
                 release_free_memory()  # what capture and the solvers freed goes back to the OS
@@ -634,6 +639,7 @@ class CompiledStep:
         and was right): every plan is dropped, the next step plans with arena views."""
         self.allocator, self.allocator_reason, self._native = "views", f"{reason}; arena views from now on", None
         self._kept = LruCache(self.max_plans)
+        self._outside_of = {}
         self._templates = []  # made for the planned allocator: other tensors in the arena
         self._symbolic = {}
         self.arena.release()

@@ -597,6 +597,48 @@ def test_torch_distributions_argument_checks_are_named_and_a_vae_trains_without_
         assert torch.equal(model.weight, twin.weight), k
 
 
+def test_an_optimizer_over_parameters_outside_the_model_is_refused_naming_them() -> None:
+    """A head trained by the optimizer but left out of ``model=``: refused with "reads a tensor
+    _tensor_constant0 (4,) ... whose value capture cannot know"."""
+    backbone, head = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU()), torch.nn.Linear(16, 2)
+    opt = torch.optim.AdamW([*backbone.parameters(), *head.parameters()], lr=1e-2)
+    step = memplan.compile(
+        lambda b: _plain_step(torch.nn.Sequential(backbone, head), opt, b), model=backbone, optimizer=opt
+    )
+    with pytest.raises(
+        UnsupportedOp, match=r"optimizer 0 \(AdamW\) updates 2 parameter\(s\) that are not in the model"
+    ):
+        step(_batch())
+    assert not opt.state
+
+
+def test_a_frozen_teacher_outside_the_model_put_in_train_mode_gets_another_capture() -> None:
+    """Distillation: the teacher is no module of ``model=``, so its ``training`` flag was not in
+    the plan's key; put in train mode between calls (dropout on), the step kept the eval-mode
+    plan, silently. Its modes are now checked at each call and a change captures again."""
+    torch.manual_seed(0)
+    teacher = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 2)).eval()
+    teacher.requires_grad_(False)
+    student = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    twin = copy.deepcopy(student)
+    opt, twin_opt = torch.optim.SGD(student.parameters(), lr=0.1), torch.optim.SGD(twin.parameters(), lr=0.1)
+
+    def body(m, o, b):
+        with torch.no_grad():
+            target = teacher(b[0])
+        return _plain_step(m, o, (b[0], target))
+
+    step = memplan.compile(lambda b: body(student, opt, b), model=student, optimizer=opt)
+    for k, mode in enumerate(["eval", "eval", "train", "train", "eval"]):
+        getattr(teacher, mode)()
+        batch = _batch()
+        torch.manual_seed(k)
+        ours = step(batch)
+        torch.manual_seed(k)
+        assert torch.equal(ours, body(twin, twin_opt, batch)), (k, mode)
+        assert torch.equal(student[0].weight, twin[0].weight), (k, mode)
+
+
 def test_two_runs_are_compared_only_where_they_made_the_same_ops() -> None:
     from memplan.torch.capture.fake import op_scalars
     from memplan.torch.capture.literals import check_scalars_repeat

@@ -109,6 +109,9 @@ class Capture:
     # the step leaves gradients and its next call clears them before its backward (zero_grad()
     # first, the tutorials' order): the planned step frees them (see _check_gradients_left)
     leaves_gradients: bool = False
+    # modules the step called that are not the model's (a frozen teacher): each one's weak
+    # reference and its modes at capture (see outside_modes); another mode needs another capture
+    outside_modules: list[tuple[weakref.ref, tuple]] = field(default_factory=list)
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     scaler: Any = None
 
@@ -312,6 +315,7 @@ def _capture_runs(
         watching_hyperparameters(optimizers, objects.schedulers) as hyper,
         watching_compiled_calls() as compiled,
         _noting_made(mode, made),
+        _noting_modules(model) as outside,
         recorder.installed(),
     ):
         take_literals(mode)
@@ -376,6 +380,7 @@ def _capture_runs(
         raise _NotLike("the step makes other literals than at the other shape")
     capture.fake_runs = 1 if like is not None or warm is not None else 2
     capture.leaves_gradients = leaves_gradients
+    capture.outside_modules = [(weakref.ref(m), module_modes(m)) for m in outside]
     capture.recomputed = recomputed
     capture.grad_storage_by_param = dict(grads.by_param)
     capture.optimizer_state_meta = state_meta
@@ -464,6 +469,43 @@ def batch_constants(flat: Sequence[Any]) -> dict[int, Any]:
     """The leaves of a flattened batch that are not tensors, by position: ``None`` for an
     absent target, a flag, a number. ``make_fx`` traces the step for these very values."""
     return {i: leaf for i, leaf in enumerate(flat) if not isinstance(leaf, torch.Tensor)}
+
+
+def module_modes(module: torch.nn.Module) -> tuple:
+    """What a trace fixes about one module that a training loop may change between calls: its
+    ``training`` flag and its own parameters' ``requires_grad``."""
+    return (module.training, tuple(p.requires_grad for p in module._parameters.values() if p is not None))
+
+
+def outside_modes_hold(outside_modules: Sequence[tuple[weakref.ref, tuple]]) -> bool:
+    """The modules a capture saw the step call outside the model (``Capture.outside_modules``)
+    are alive and in the modes it saw (a frozen teacher still in eval mode): else the step
+    needs capturing again."""
+    for ref, modes in outside_modules:
+        module = ref()
+        if module is None or module_modes(module) != modes:
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def _noting_modules(model: torch.nn.Module) -> Iterator[list[torch.nn.Module]]:
+    """While capture runs the step: the modules it calls that are not the model's, in call
+    order (a distillation step's teacher, the model's mode key does not see them)."""
+    inside = {id(m) for m in model.modules()}
+    seen: dict[int, torch.nn.Module] = {}
+
+    def called(module: torch.nn.Module, args: Any) -> None:
+        if id(module) not in inside:
+            seen.setdefault(id(module), module)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(called)
+    found: list[torch.nn.Module] = []
+    try:
+        yield found
+    finally:
+        handle.remove()
+        found.extend(seen.values())
 
 
 @contextlib.contextmanager

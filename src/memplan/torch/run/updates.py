@@ -90,6 +90,16 @@ def check_optimizers(optimizers: Sequence[torch.optim.Optimizer], model: torch.n
                 f"module {module_name or type(module).__name__!r} is an {type(module).__name__} with sparse=True: "
                 "memplan plans dense gradients only; construct it with sparse=False"
             )
+    in_model = {id(p) for p in model.parameters()}
+    for index, optimizer in enumerate(optimizers):
+        outside = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in in_model]
+        if outside:
+            name, shape = type(optimizer).__name__, tuple(outside[0].shape)
+            raise UnsupportedOp(
+                f"optimizer {index} ({name}) updates {len(outside)} parameter(s) that are not in the model given to "
+                f"memplan (the first of shape {shape}): give a module that holds every parameter the step trains, "
+                "e.g. model=torch.nn.ModuleDict({'backbone': backbone, 'head': head})"
+            )
     for param_name, param in model.named_parameters():
         if param.requires_grad and id(param) not in owned:
             raise UnsupportedOp(
