@@ -470,3 +470,40 @@ def test_the_capped_cache_refuses_in_one_line_saying_whether_the_state_was_writt
         assert "\n" not in message and fraction[0] == 0.9
         assert ("written 1 of the model's" in message) == write
         assert ("had written none" in message) == (not write)
+
+
+def test_sam_under_a_budget_trains_as_eager_and_its_measurement_writes_no_parameter() -> None:
+    """Sharpness-aware minimisation moves the parameters in place outside the optimizer
+    (``p.add_(e)``, later ``p.sub_(e)``): the workspace measurement ran those writes on the
+    user's parameters and refused ("measuring the kernels' workspace wrote a parameter"),
+    leaving them off by the rounding of ``p + e - e``. It runs none of them now."""
+    model, twin = _mlp(), _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
+
+    def sam(m, o, batch):
+        loss = torch.nn.functional.cross_entropy(m(batch[0]), batch[1])
+        loss.backward()
+        with torch.no_grad():
+            norm = torch.stack([p.grad.norm() for p in m.parameters()]).norm()
+            moves = [p.grad * (0.05 / (norm + 1e-12)) for p in m.parameters()]
+            for p, e in zip(m.parameters(), moves, strict=True):
+                p.add_(e)
+        o.zero_grad()
+        torch.nn.functional.cross_entropy(m(batch[0]), batch[1]).backward()
+        with torch.no_grad():
+            for p, e in zip(m.parameters(), moves, strict=True):
+                p.sub_(e)
+        o.step()
+        o.zero_grad()
+        return loss
+
+    step = memplan.compile(
+        lambda b: sam(model, opt, b), model=model, optimizer=opt, memory_budget=0.99, time_limit_seconds=5
+    )
+    for k in range(3):
+        torch.manual_seed(k)
+        ours = step(_batch("mlp"))
+        torch.manual_seed(k)
+        assert torch.equal(ours, sam(twin, twin_opt, _batch("mlp"))), k
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True)), k

@@ -82,6 +82,7 @@ import torch.fx
 
 import torch
 from memplan.errors import InfeasibleBudget, MemplanError
+from memplan.graph.ir import Category
 from memplan.isolate import in_child
 from memplan.report.format import format_bytes
 from memplan.torch.capture import Capture
@@ -1180,8 +1181,9 @@ def measure_op_workspace(
     """Each op's kernel scratch bytes (as :func:`memplan.torch.run.profile.profile_capture`
     measures them), running ``steps`` (a plan's step sequence; program order when ``None``)
     twice, the first as warm-up. The model's parameters are used as they are, never copied and
-    never written (no optimizer or other call of the step is made; a parameter written anyway
-    is refused), its buffers on a copy, the random generator put back, and the in-place writes
+    never written (no optimizer or other call of the step is made, and an op writing one in
+    place outside them, SAM's perturbation ``p.add_(e)``, is not run; a parameter written
+    anyway is refused), its buffers on a copy, the random generator put back, and the in-place writes
     into the other tensors the step writes (an EMA, a counter) not run (they are elementwise,
     with no scratch; one whose result cannot be told is run on a copy put back after): the
     user's objects and random stream are untouched, and the measurement holds no second copy
@@ -1194,7 +1196,9 @@ def measure_op_workspace(
     shared = copy.deepcopy(model, memo={id(p): p for p in params})  # buffers copied, parameters shared
     versions = [p._version for p in params]
     outside = written_outside_state_by_id(capture, model)  # an EMA, a counter
-    runner = _WorkspaceRunner(capture, shared, optimizer, steps, set(outside))
+    graph = capture.graph
+    weights = {t for t, tensor in enumerate(graph.tensors) if tensor.category == Category.PARAMETER}
+    runner = _WorkspaceRunner(capture, shared, optimizer, steps, set(outside) | weights)  # SAM's p.add_(e)
     kept: dict[int, torch.Tensor] = {id(t): t for i, t in outside.items() if i in runner.unskipped}
     others = [(t, t.detach().clone()) for t in kept.values()]
     try:
