@@ -416,6 +416,49 @@ def test_gradients_the_step_assigns_itself_train_as_eager() -> None:
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True)), k
 
 
+class _CountingMomentum(torch.optim.Optimizer):
+    """A custom optimizer with its step count in a Python attribute (its bias correction reads it)."""
+
+    def __init__(self, params, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+        self.t = 0
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.t += 1
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self.state[p]
+                    if not state:
+                        state["m"] = torch.zeros_like(p)
+                    state["m"].mul_(0.9).add_(p.grad, alpha=0.1)
+                    p.add_(state["m"] / (1 - 0.9**self.t), alpha=-group["lr"])
+
+
+def test_a_custom_optimizer_counting_its_steps_in_python_follows_eager() -> None:
+    """Capture's two fake runs called its step for real on the Python side: the first planned
+    call ran its third step (t = 3, a wrong bias correction) and every later one too."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    twin = copy.deepcopy(model)
+    opt, twin_opt = _CountingMomentum(model.parameters()), _CountingMomentum(twin.parameters())
+
+    def body(m, o, x):
+        loss = m(x).pow(2).mean()
+        loss.backward()
+        o.step()
+        o.zero_grad()
+        return loss
+
+    step = memplan.compile(lambda x: body(model, opt, x), model=model, optimizer=opt)
+    for k in range(3):
+        x = torch.randn(8, 8)
+        assert torch.equal(step(x), body(twin, twin_opt, x)), k
+        assert opt.t == twin_opt.t == k + 1
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True)), k
+
+
 def _counting_step(loss_of, opt: torch.optim.Optimizer, count: torch.Tensor):
     """A training step on ``loss_of(batch)`` that also counts its calls in ``count``, a tensor."""
 

@@ -6,7 +6,7 @@ shapes (no memory is allocated, no value is changed). Swapped: every module's pa
 buffers (tied tensors stay tied), every optimizer's parameter lists and state, the scaler's
 scale and growth tracker, and the optimizers' step hooks (a user's hook must not see fakes).
 On exit, even after an error, every dict, list and attribute is put back as it was, and every
-module's attributes are what they were before capture (a counter the forward increments, a
+module's and optimizer's attributes are what they were before capture (a counter the forward increments, a
 cache it leaves behind: the capture's fake runs leave no trace on the user's model).
 """
 
@@ -41,7 +41,7 @@ class FakeSwap:
         self.scaler = scaler
         self.fakes: dict[int, torch.Tensor] = {}
         self._restore: list[tuple[Any, str, Any]] = []
-        self._module_dicts: list[tuple[torch.nn.Module, dict[str, Any]]] = []
+        self._module_dicts: list[tuple[Any, dict[str, Any]]] = []  # modules and optimizers, their attributes
         self._swapped: list[tuple[str, torch.nn.Module, dict[str, Any], dict[str, Any]]] = []
 
     def fake_of(self, t: torch.Tensor) -> torch.Tensor:
@@ -74,9 +74,9 @@ class FakeSwap:
             else:
                 setattr(owner, key, value)
         self._restore = []
-        for module, saved in self._module_dicts:
-            module.__dict__.clear()
-            module.__dict__.update(saved)
+        for owner, saved in self._module_dicts:
+            owner.__dict__.clear()
+            owner.__dict__.update(saved)
         self._module_dicts = []
 
     def _set(self, owner: Any, key: str, value: Any) -> None:
@@ -113,6 +113,9 @@ class FakeSwap:
                         )
 
     def _swap_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        # its attributes as they were (a custom optimizer's step counter in Python: capture's
+        # runs call its step, and the planned step calls it for real, once per call)
+        self._module_dicts.append((opt, dict(opt.__dict__)))
         for group in opt.param_groups:
             self._set(group, "params", [self.fake_of(p) for p in group["params"]])
         state: defaultdict = defaultdict(dict)
