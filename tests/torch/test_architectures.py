@@ -28,7 +28,7 @@ def test_the_list_covers_every_family_with_at_least_15_architectures():
 
 
 # one or two of each family in `make test`; every entry with `make test-all` (and the bench)
-QUICK = {"bert", "gpt2", "llama", "llama-ones-mask", "t5", "whisper", "convnext", "mixtral", "deberta-v2-cls"}
+QUICK = {"bert", "gpt2", "llama", "llama-ones-mask", "t5", "wav2vec2", "convnext", "mixtral", "deberta-v2-cls"}
 
 
 @pytest.mark.parametrize("name", [n if n in QUICK else pytest.param(n, marks=pytest.mark.slow) for n in ARCHITECTURES])
