@@ -45,6 +45,7 @@ def _check_row(row: dict) -> None:
         assert row["held"] is None, "held without a budget"
 
 
+@pytest.mark.slow  # a rehearsal of the bench (27 s): make test-all, and before device time (-m "")
 def test_gpu_suite_dry_run(tmp_path: Path) -> None:
     """Every part of the suite on the CPU, in a process of its own (as on the device: PYTHONPATH=src,
     nothing from the wheelhouse), then the JSON checked: the issue's shape, and the oracles the CPU
