@@ -6,8 +6,9 @@ shapes (no memory is allocated, no value is changed). Swapped: every module's pa
 buffers (tied tensors stay tied), every optimizer's parameter lists and state, the scaler's
 scale and growth tracker, and the optimizers' step hooks (a user's hook must not see fakes).
 On exit, even after an error, every dict, list and attribute is put back as it was, and every
-module's and optimizer's attributes are what they were before capture (a counter the forward increments, a
-cache it leaves behind: the capture's fake runs leave no trace on the user's model).
+module's and optimizer's attributes are what they were before capture (a counter the forward
+increments, a cache it leaves behind, a custom optimizer's step count: the capture's fake runs
+leave no trace on the user's objects).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class FakeSwap:
         self.scaler = scaler
         self.fakes: dict[int, torch.Tensor] = {}
         self._restore: list[tuple[Any, str, Any]] = []
-        self._module_dicts: list[tuple[Any, dict[str, Any]]] = []  # modules and optimizers, their attributes
+        self._attribute_dicts: list[tuple[Any, dict[str, Any]]] = []  # modules and optimizers, their attributes
         self._swapped: list[tuple[str, torch.nn.Module, dict[str, Any], dict[str, Any]]] = []
 
     def fake_of(self, t: torch.Tensor) -> torch.Tensor:
@@ -74,10 +75,10 @@ class FakeSwap:
             else:
                 setattr(owner, key, value)
         self._restore = []
-        for owner, saved in self._module_dicts:
+        for owner, saved in self._attribute_dicts:
             owner.__dict__.clear()
             owner.__dict__.update(saved)
-        self._module_dicts = []
+        self._attribute_dicts = []
 
     def _set(self, owner: Any, key: str, value: Any) -> None:
         self._restore.append((owner, key, owner[key] if isinstance(owner, dict) else getattr(owner, key)))
@@ -88,7 +89,7 @@ class FakeSwap:
 
     def _swap_model(self) -> None:
         for path, module in self.model.named_modules(remove_duplicate=False):
-            self._module_dicts.append((module, dict(module.__dict__)))
+            self._attribute_dicts.append((module, dict(module.__dict__)))
             params = {k: None if p is None else self.fake_of(p) for k, p in module._parameters.items()}
             buffers = {k: None if b is None else self.fake_of(b) for k, b in module._buffers.items()}
             self._set(module, "_parameters", params)
@@ -115,7 +116,7 @@ class FakeSwap:
     def _swap_optimizer(self, opt: torch.optim.Optimizer) -> None:
         # its attributes as they were (a custom optimizer's step counter in Python: capture's
         # runs call its step, and the planned step calls it for real, once per call)
-        self._module_dicts.append((opt, dict(opt.__dict__)))
+        self._attribute_dicts.append((opt, dict(opt.__dict__)))
         for group in opt.param_groups:
             self._set(group, "params", [self.fake_of(p) for p in group["params"]])
         state: defaultdict = defaultdict(dict)

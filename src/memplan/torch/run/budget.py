@@ -1180,14 +1180,13 @@ def measure_op_workspace(
 ) -> tuple[int, ...]:
     """Each op's kernel scratch bytes (as :func:`memplan.torch.run.profile.profile_capture`
     measures them), running ``steps`` (a plan's step sequence; program order when ``None``)
-    twice, the first as warm-up. The model's parameters are used as they are, never copied and
-    never written (no optimizer or other call of the step is made, and an op writing one in
-    place outside them, SAM's perturbation ``p.add_(e)``, is not run; a parameter written
-    anyway is refused), its buffers on a copy, the random generator put back, and the in-place writes
-    into the other tensors the step writes (an EMA, a counter) not run (they are elementwise,
-    with no scratch; one whose result cannot be told is run on a copy put back after): the
-    user's objects and random stream are untouched, and the measurement holds no second copy
-    of the model or of an EMA of it, which a budget does not count. CPU only (elsewhere: none)."""
+    twice, the first as warm-up. The user's objects and random stream are left untouched, and
+    the measurement holds no copy the budget does not count: the parameters are used as they
+    are, never copied and never written (no optimizer or other call of the step is made, and no
+    op that writes one in place, SAM's ``p.add_(e)``: a parameter written anyway is refused);
+    the buffers on a copy; the random generator put back; the in-place writes into the other
+    tensors the step writes (an EMA, a counter) not run either (elementwise, no scratch; one
+    whose result cannot be told runs on a copy put back after). CPU only (elsewhere: none)."""
     if any(p.device.type != "cpu" for p in model.parameters()):
         return ()
     from memplan.torch.run.constants import written_outside_state_by_id
@@ -1198,7 +1197,7 @@ def measure_op_workspace(
     outside = written_outside_state_by_id(capture, model)  # an EMA, a counter
     graph = capture.graph
     weights = {t for t, tensor in enumerate(graph.tensors) if tensor.category == Category.PARAMETER}
-    runner = _WorkspaceRunner(capture, shared, optimizer, steps, set(outside) | weights)  # SAM's p.add_(e)
+    runner = _WorkspaceRunner(capture, shared, optimizer, steps, set(outside) | weights)
     kept: dict[int, torch.Tensor] = {id(t): t for i, t in outside.items() if i in runner.unskipped}
     others = [(t, t.detach().clone()) for t in kept.values()]
     try:
@@ -1220,17 +1219,17 @@ class _WorkspaceRunner(_ProfilingRunner):
     not written. Not a training step, so not held to the self-check."""
 
     def __init__(
-        self, capture: Capture, model: torch.nn.Module, optimizer: Any, steps: Any, outside: set[int] = frozenset()
+        self, capture: Capture, model: torch.nn.Module, optimizer: Any, steps: Any, unwritten: set[int] = frozenset()
     ) -> None:
-        """``outside``: graph tensors the step writes besides the training state (an EMA);
-        the ops writing them in place are not run where their result is the written argument
-        (``unskipped``: those written by another op, which runs)."""
+        """``unwritten``: graph tensors whose in-place writes are not run (the parameters, an
+        EMA): an op writing one is skipped where its result is the written argument
+        (``unskipped``: the tensors written by another op, which runs)."""
         super().__init__(capture, model, optimizer, steps)
         self._next_check = None
         self.skipped: dict[str, torch.fx.Node] = {}  # fx node -> the argument it writes and returns
         self.unskipped: set[int] = set()
         for op_id, op in enumerate(capture.graph.ops):
-            hit = outside.intersection(op.mutates)
+            hit = unwritten.intersection(op.mutates)
             if not hit:
                 continue
             node = self.nodes[capture.node_of_op[op_id]]
