@@ -1,6 +1,6 @@
 """Time to the first replayed step (issue 37): eager's first step vs memplan cold and restarted.
 
-For each zoo model at batch 8 (AdamW, the classic step ``loss_fn(model(x), y)``, backward,
+For each zoo model at batch 8, and a Llama-style decoder (:func:`llama_workload`) (AdamW, the classic step ``loss_fn(model(x), y)``, backward,
 ``step()``, ``zero_grad(set_to_none=True)``), three fresh processes, one after the other:
 
 * **eager**: the seconds of eager PyTorch's first step;
@@ -22,6 +22,7 @@ earlier revision's ``src``, e.g. from ``git archive``) for a before/after under 
     python bench/first_step.py                  # writes bench/results/first_step.md
     python bench/first_step.py --models mlp lstm --steps 4 --out /tmp/first_step.md
     python bench/first_step.py --repeat 3 --src /tmp/before/src --out /tmp/before.md
+    python bench/first_step.py --reproducible   # MKL_CBWR=COMPATIBLE: eager's bits alike in every process
 """
 
 from __future__ import annotations
@@ -40,9 +41,34 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-MODELS = ("mlp", "lstm", "gpt2-2l", "mobilenet-v2")
+MODELS = ("mlp", "lstm", "gpt2-2l", "mobilenet-v2", "llama")
+"""The zoo's, and ``llama``: a Llama-style decoder from an HF ``LlamaConfig`` (:func:`llama_workload`)."""
 BATCH = 8
 MIB = 2**20
+
+
+def llama_workload(batch: int, tokens: int = 128) -> Any:
+    """A Llama-style decoder (HF ``LlamaForCausalLM``: RMSNorm, RoPE, SwiGLU, grouped-query
+    attention; 4 layers, hidden 256, vocab 32000, no dropout, as Llama trains) on ``batch`` x
+    ``tokens`` tokens: a step that draws no random numbers and has no BatchNorm."""
+    import transformers
+
+    import torch
+    from memplan.torch.zoo import Logits, Workload, _token_loss
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+    )
+    model = Logits(transformers.LlamaForCausalLM(config))
+    ids = torch.randint(0, 32000, (batch, tokens))
+    return Workload(model, ids, ids, _token_loss)
 
 
 def child(mode: str, model_name: str, batch: int, steps: int, cache: str, out: Path) -> None:
@@ -51,7 +77,7 @@ def child(mode: str, model_name: str, batch: int, steps: int, cache: str, out: P
     from memplan.torch.rss import peak_rss_bytes
     from memplan.torch.zoo import build_workload, make_optimizer
 
-    w = build_workload(model_name, batch, seed=0)
+    w = llama_workload(batch) if model_name == "llama" else build_workload(model_name, batch, seed=0)
     optimizer = make_optimizer("adamw", w.model.parameters())
     torch.manual_seed(1)
     start = time.perf_counter()
@@ -198,6 +224,10 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, command: str)
         "eager's first step (issue target <= 2x). Peak RSS: VmHWM of each process. Bits: every step's",
         "loss and the final parameters equal eager's. Seconds on a shared 2-core machine: noisy, so the",
         "same ratios in CPU seconds (the process's threads and its solver children) are given too.",
+        "The bits compare processes, and eager's own CPU step is not reproducible across processes with",
+        "2 threads here (MKL's GEMMs: the LSTM's eager step gave other bits in 5 of 15 processes, none",
+        "with 1 thread or MKL_CBWR=COMPATIBLE): a DIFFER here can be eager's own, which `--reproducible`",
+        "(MKL_CBWR=COMPATIBLE in every process) tells apart; the tests compare within one process.",
         *_load_line(args),
         "",
         "| model | eager 1st step (s) | cold (s) | cold x | restarted (s) | restarted x | cold x CPU "
@@ -246,7 +276,7 @@ def breakdown(rows: list[dict[str, Any]]) -> list[str]:
         "Where memplan's seconds go (its `report['first_steps']`): compiling the step (capture, then the",
         "graph plan: solved and stored, or read and validated; for restarted also reading and validating",
         "the placed recording and mapping its arena), the placement of the recorded step when solved",
-        "(cold: during its second step), and the steps up to and including the first replayed one.",
+        "(cold: right after the step it places), and the steps up to and including the first replayed one.",
         "other: the rest of compiling: the capture's first run on fakes, untraced (it creates the",
         "optimizer's state and shows the literals; capture seconds count the traced run only), the",
         "runner's build, and the garbage collection that gives capture's memory back. fake runs: 2 with",
@@ -291,6 +321,11 @@ def main() -> None:
     parser.add_argument("--render", type=Path, default=None, help="write the table of a saved --json run, run nothing")
     parser.add_argument("--repeat", type=int, default=1, help="trials per model; the fastest is reported")
     parser.add_argument("--src", type=Path, default=ROOT / "src", help="the memplan sources to run (another revision)")
+    parser.add_argument(
+        "--reproducible",
+        action="store_true",
+        help="run every process with MKL_CBWR=COMPATIBLE: MKL's GEMMs give the same bits in every process (slower)",
+    )
     args = parser.parse_args()
     if args.render is not None:
         saved = json.loads(args.render.read_text())
@@ -304,6 +339,8 @@ def main() -> None:
     start_load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as folder:
         args.env = snapshot(Path(folder), args.src)
+        if args.reproducible:
+            args.env["MKL_CBWR"] = "COMPATIBLE"
         for model in args.models:
             rows.append(measure(model, args))
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "runs"}), flush=True)

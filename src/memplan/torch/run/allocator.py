@@ -74,6 +74,27 @@ class AllocationTrace:
     def num_allocations(self) -> int:
         return len(self.sizes)
 
+    def without(self, dropped: set[int]) -> AllocationTrace:
+        """The trace with the allocations ``dropped`` (each one outliving the step) left out, as
+        a step that never made them would record it: indices and event times renumbered."""
+        if any(self.free_at[k] is not None for k in dropped):
+            raise ValueError("only allocations that outlive the step can be left out")
+        kept = [k for k in range(self.num_allocations) if k not in dropped]
+        index = {k: i for i, k in enumerate(kept)}
+        events = sorted(
+            [(self.alloc_at[k], k, True) for k in kept]
+            + [(f, k, False) for k in kept if (f := self.free_at[k]) is not None]
+        )
+        alloc_at, free_at = [0] * len(kept), [None] * len(kept)
+        for time, (_, k, is_alloc) in enumerate(events):
+            if is_alloc:
+                alloc_at[index[k]] = time
+            else:
+                free_at[index[k]] = time
+        streams = tuple(self.streams[k] for k in kept) if self.streams else ()
+        sizes = tuple(self.sizes[k] for k in kept)
+        return AllocationTrace(sizes, tuple(alloc_at), tuple(free_at), streams, self.alignment_bytes)
+
     def peak_live_bytes(self) -> int:
         """The most bytes the step's freed allocations held at once (aligned sizes)."""
         deltas: list[tuple[int, int]] = []
@@ -282,6 +303,10 @@ class NativeReplay:
 
     def begin_record(self) -> None:
         self.lib.mp_begin_record()
+
+    def recorded_allocations(self) -> int:
+        """How many allocations the recording in progress has logged so far."""
+        return int(self.lib.mp_record_num_allocations())
 
     def end_record(self) -> AllocationTrace:
         """Stop recording and return the trace of the allocations made since :meth:`begin_record`."""

@@ -1,4 +1,4 @@
-"""The step that creates the optimizer's state, within eager's peak (issue 37).
+"""The step that creates the optimizer's state: within eager's peak, and recorded as a steady one (issue 37).
 
 An optimizer such as AdamW makes its state (two tensors as large as the parameters) inside its
 first ``step()``, on top of the temporaries of its update. A planned step serves those
@@ -22,6 +22,19 @@ ran before ``q`` and some op reading it runs at or after ``q`` (a group's inputs
 every op of the group, :func:`memplan.torch.capture.trace.hold_update_inputs`); outputs of the
 step are kept once made. Ops that never run alone (an optimizer op in no group) count at their
 own position, which only keeps more.
+
+With the planned CPU allocator, the step that creates the state is recorded like any other.
+For the optimizers whose first update makes the same temporaries as later ones
+(:func:`first_update_allocates_as_later`: Adam and its kin, RMSprop, Adagrad, ...; not SGD
+with momentum, whose first update clones the gradient where later ones scale the buffer in
+place), the state's allocations (made inside the optimizer's calls and outliving the step) are
+the only ones a later step does not make: :func:`noting_state_calls` notes which allocations
+the optimizer's calls made, and :func:`steady_trace` leaves out those that outlived the step,
+so the first step's recording stands for the steady ones and the second step replays (one
+visit before the first replayed step, not two). For the others the second step is recorded
+too, and placed. A later step that allocates otherwise than its plan is still correct (the
+planned allocator checks every allocation and sends a step that differs to the ordinary
+allocator), but it holds the arena and the allocator's blocks at once: hence the list.
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ import contextlib
 import ctypes
 import mmap
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,6 +51,7 @@ from memplan.graph.ir import Category
 from memplan.torch.capture import Capture
 from memplan.torch.capture.trace import optimizer_state_meta
 from memplan.torch.rss import _libc
+from memplan.torch.run.updates import INDEPENDENT_OPTIMIZERS
 
 MADV_DONTNEED = 4  # Linux: the pages read as zeros on the next touch
 PAGE = mmap.PAGESIZE
@@ -49,6 +64,80 @@ def creates_state(capture: Capture, model: torch.nn.Module, optimizers: Sequence
         return False
     now = {k: v for opt in optimizers for k, v in optimizer_state_meta(model, opt).items()}
     return now != capture.optimizer_state_meta
+
+
+@dataclass
+class StateCalls:
+    """What :func:`noting_state_calls` saw of a recorded step: ``ranges``, the allocation
+    indices ``[first, end)`` of each call of the user's optimizer when the step created the
+    optimizers' state (empty when it created none); ``steady``: False when it created state
+    with an update not known to allocate as later ones (:func:`first_update_allocates_as_later`)."""
+
+    ranges: list[tuple[int, int]] = field(default_factory=list)
+    steady: bool = True
+
+
+@contextlib.contextmanager
+def noting_state_calls(runner: Any, native: Any) -> Iterator[StateCalls]:
+    """Around a recorded step of ``runner`` (a :class:`~memplan.torch.run.interpreter.StepRunner`):
+    which allocations (``native``'s recording) the optimizer's calls made, when the step
+    creates the optimizers' state (:class:`StateCalls`)."""
+    calls = StateCalls()
+    capture, model, optimizers = (getattr(runner, a, None) for a in ("capture", "model", "optimizers"))
+    if capture is None or model is None or not creates_state(capture, model, optimizers or ()):
+        yield calls
+        return
+    before = _state_meta(model, optimizers)
+    update_with = runner._update_with
+
+    def noted(ins: Any, grads: Any) -> None:
+        first = native.recorded_allocations()
+        update_with(ins, grads)
+        calls.ranges.append((first, native.recorded_allocations()))
+
+    runner._update_with = noted
+    try:
+        yield calls
+    finally:
+        del runner._update_with
+    if _state_meta(model, optimizers) == before:  # no state made (a GradScaler skipped the update)
+        calls.ranges.clear()
+    elif getattr(runner, "scaler", None) is not None or not all(map(first_update_allocates_as_later, optimizers)):
+        calls.steady = False
+
+
+def _state_meta(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> list[dict[str, Any]]:
+    return [optimizer_state_meta(model, opt) for opt in optimizers]
+
+
+# The optimizers whose first step() makes the same freed allocations as every later one, besides
+# the state it creates (tests/torch/test_first_visit.py checks each against this torch): those
+# that update parameter by parameter, but SGD (only without momentum, or fused: with it, its
+# first update clones the gradient) and ASGD
+STEADY_FIRST_UPDATE = INDEPENDENT_OPTIMIZERS - {"SGD", "ASGD"}
+
+
+def first_update_allocates_as_later(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s first ``step()`` frees the same allocations, in the same order,
+    as its later ones (a torch optimizer of :data:`STEADY_FIRST_UPDATE`, or SGD without
+    momentum or fused); False for any other, whose first update is not known."""
+    kind = type(optimizer)
+    if kind.__module__.split(".")[:2] != ["torch", "optim"]:
+        return False
+    if kind.__name__ == "SGD":
+        return all(g.get("fused") or not g.get("momentum") for g in optimizer.param_groups)
+    return kind.__name__ in STEADY_FIRST_UPDATE
+
+
+def steady_trace(trace: Any, calls: StateCalls) -> Any:
+    """``trace`` (an :class:`~memplan.torch.run.allocator.AllocationTrace`) without the
+    allocations the optimizer's calls made that outlived the step: the state a later step
+    finds made (:func:`noting_state_calls`); None where the step made state but its recording
+    cannot stand for a later step's (an update not known to be a steady one)."""
+    if not calls.steady:
+        return None
+    dropped = {k for first, end in calls.ranges for k in range(first, end) if trace.free_at[k] is None}
+    return trace.without(dropped) if dropped else trace
 
 
 def run_times(capture: Capture, order: Sequence[int]) -> list[int]:

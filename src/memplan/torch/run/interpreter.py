@@ -34,7 +34,7 @@ from memplan.torch.capture.hf_masks import check_mask_guards
 from memplan.torch.capture.inplace import real_out_variant, same_dense_layout, writing_kernel
 from memplan.torch.capture.regions import only_params as _only_params
 from memplan.torch.run.constants import bind_constants
-from memplan.torch.run.selfcheck import SelfCheck
+from memplan.torch.run.selfcheck import SelfCheck, UnobservedCheck
 from memplan.torch.run.updates import UpdateGroup, check_optimizers, update_groups
 from memplan.torch.tensors import storage_key, tensor_leaves
 
@@ -176,6 +176,7 @@ class StepRunner:
         self._live_constants = [b for b in constants if not b.static]
         self.self_check = SelfCheck(capture, model, self.optimizers, scaler)
         self._next_check: str | None = "full"
+        self._unobserved: UnobservedCheck | None = None  # armed by before_step
         self.last_step_observed = False
 
     # ------------------------------------------------------------------ compile
@@ -348,11 +349,43 @@ class StepRunner:
         if self.capture.mask_guards:
             check_mask_guards(self.capture.mask_guards, pytree.tree_leaves(batch))
         check, self._next_check = self._next_check, None
-        self.last_step_observed = check == "full"
+        unobserved = check == "full" and self._unobserved is not None
+        self.last_step_observed = check == "full" and not unobserved
         if check is None:
             return self.run_step(batch)
-        with self.self_check.watch(observe_ops=check == "full"):
+        with self.self_check.watch(observe_ops=check == "full", unobserved=unobserved):
             return self.run_step(batch)
+
+    # whether the first step's full check may do without a dispatch mode (before_step); a
+    # subclass whose first step runs otherwise than its later ones (remat's) keeps the mode
+    unobserved_first_check = True
+
+    def before_step(self) -> None:
+        """Before the planned CPU allocator records or replays a step, outside its recording:
+        the program is written (writing it runs ops), and where the next step's full check can
+        do without a dispatch mode (:meth:`SelfCheck.unobserved_possible`, no arena views: an
+        optimizer's in-place ops served by out= variants move no version counter) the random
+        generator's state is taken for it: that step's allocations are then its own, so its
+        recording stands for the later steps' (issue 37). :meth:`after_step` checks the state."""
+        self.prepare()
+        self._unobserved = None
+        cpu = not self.plan.offsets and self.arena.device.type == "cpu"
+        if self._next_check == "full" and cpu and self.unobserved_first_check and self.self_check.unobserved_possible():
+            self._unobserved = UnobservedCheck()
+            self._unobserved.before()
+
+    def after_step(self) -> None:
+        """After a step :meth:`before_step` prepared, outside the recording: the random
+        generator's state checked (raises :class:`memplan.errors.SelfCheckFailed`)."""
+        check, self._unobserved = self._unobserved, None
+        if check is not None:
+            check.after()
+
+    def prepare(self) -> None:
+        """Write the generated program now, not in the next step: writing it runs ops (on meta
+        tensors, and a few CPU scalars), which a recording of the step must not log (issue 37)."""
+        if self.executor == "generated":
+            self.generated_step()
 
     def request_self_check(self) -> None:
         """Check the next step's optimizer state and gradients (the planned allocator asks for

@@ -82,6 +82,10 @@ def batch_norm_recompute(target: Any, args: tuple[Any, ...]) -> tuple[Any, tuple
 class RematRunner(StepRunner):
     """Executes a remat step sequence; ``runner(batch)`` runs one step and returns the loss."""
 
+    # its first step runs interpreted (it learns which outputs to shrink), its later ones the
+    # program written then: the first step's recording would not stand for theirs
+    unobserved_first_check = False
+
     def __init__(
         self,
         capture: Capture,

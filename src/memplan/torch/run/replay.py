@@ -2,8 +2,9 @@
 (Sekiyama et al. 3-4) on top of the planned order (OLLA).
 
 The step (a :class:`memplan.torch.runtime.StepRunner` running the optimised order) is recorded
-until two consecutive recordings request the same allocations (the first steps create the
-optimizer's state lazily), the offsets of every allocation the step frees are solved as one
+(the optimizer state a first step creates left out of its recording,
+:mod:`memplan.torch.run.first_state`; with ``place_after=2``, until two consecutive recordings
+request the same allocations), the offsets of every allocation the step frees are solved as one
 placement problem (lifetimes in event time, ``memplan.placement``), validated, and later steps
 are replayed with each allocation served at its offset by the planned CPU allocator
 (``memplan.torch.run.allocator``). Kernels write their outputs where they would anyway, so no
@@ -31,6 +32,7 @@ from memplan.torch.run import allocator
 from memplan.torch.run.allocator import AllocationTrace, BranchedPlan, NativeReplay, ReplayStats
 from memplan.torch.run.arena import SharedArena
 from memplan.torch.run.branches import branched_plan, build_trie, trie_problem, validate_branches
+from memplan.torch.run.first_state import noting_state_calls, steady_trace
 from memplan.torch.run.verify import StepObjects, verify_by_rerun
 
 MAX_RECORDINGS = 4
@@ -150,6 +152,15 @@ class ReplayedStep:
         self._replayed_now = False
         if self.refused is not None:
             return self.run(batch)
+        before, after = getattr(self.run, "before_step", None), getattr(self.run, "after_step", None)
+        if before is not None:
+            before()  # outside the recording or replay: the runner's one-off work, its check's state
+        result = self._record_or_replay(batch)
+        if after is not None:
+            after()
+        return result
+
+    def _record_or_replay(self, batch: Any) -> Any:
         if self.plan is None:
             return self._record(batch)
         if self.last_stats is None and hasattr(self.run, "request_self_check"):
@@ -253,19 +264,28 @@ class ReplayedStep:
         self.shared.release()
         self.native.begin_record()
         try:
-            result = self.run(batch)
+            with noting_state_calls(self.run, self.native) as state_calls:
+                result = self.run(batch)
             self.recorded = (result,)  # the step ran: its update is applied whatever follows
         finally:
-            trace = self.native.end_record()
+            first = self.native.end_record()
+        # the state this step made, later ones find made; None: its first update is not a
+        # steady one (SGD with momentum), so the next step is recorded too
+        trace = steady_trace(first, state_calls)
         # the step ran on the ordinary allocator: the C library keeps its freed blocks in a heap
         # that the plans' objects fragment, and the process would grow with every new shape
         self.native.release_free_memory()
         self.recordings += 1
         if getattr(self.run, "last_step_observed", False):
             if self.keep_observed and self._observed is None:
-                self._observed = trace
+                self._observed = first
             self.recorded = None
             return result  # the self-check's dispatch mode changed this step's allocations: record again
+        if trace is not first and self.keep_observed and self._observed is None:
+            self._observed = first  # a restarted process's first step makes the state again: a branch for it
+        if trace is None:
+            self.recorded = None
+            return result
         steady = self._previous is not None and self._previous.sizes == trace.sizes
         if steady or self.place_after <= 1 or self.recordings >= MAX_RECORDINGS:
             self._plan(trace)  # may raise (a budget refused): ``recorded`` then still holds the result

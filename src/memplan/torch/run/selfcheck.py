@@ -16,13 +16,24 @@ code that runs it. Capture knows, independently of how the runtime groups and or
   they draw, so the same sequence leaves it where eager leaves it;
 * that ``zero_grad(set_to_none=True)`` leaves no ``.grad`` behind.
 
-Writes and random draws are observed by a dispatch mode around the step (only while
-checking); a violation raises :class:`memplan.errors.SelfCheckFailed` naming what differs.
+Writes and random draws are observed around the step (only while checking), by a dispatch mode
+(every op's written storages, the random ops and their output shapes). A dispatch mode changes
+the step's allocations, though (it wraps scalars into tensors and changes which kernels
+allocate), so the first step the planned CPU allocator records would not stand for the later
+ones. Where the program draws no random numbers and every write is marked in its op's schema
+(no BatchNorm in training: its running statistics are written unmarked), the first step is
+checked without one (:meth:`SelfCheck.unobserved`, issue 37): the parameters' and buffers'
+version counters (every op that writes an argument its schema marks bumps its counter, which
+views share) and bytes (a write through ``.data``, whose counter is its own), and the random
+generator's state, which any draw moves, taken before and after the step, outside the
+recording (:class:`UnobservedCheck`). A violation raises :class:`memplan.errors.SelfCheckFailed`
+naming what differs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import torch
 from memplan.errors import SelfCheckFailed
 from memplan.torch.capture import Capture
-from memplan.torch.tensors import is_random, storage_key, tensor_leaves, written_arguments
+from memplan.torch.tensors import is_random, storage_key, tensor_leaves, writes_unmarked, written_arguments
 
 
 @dataclass(frozen=True)
@@ -90,6 +101,97 @@ class _Witness(TorchDispatchMode):
         return result
 
 
+class _VersionWitness:
+    """The parameters and buffers a step wrote, without a dispatch mode: their version counters
+    moved or their bytes changed (:func:`_digest`). Allocates no tensor."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.tensors = list(tensors)
+        self.written: set[int] = set()
+
+    def __enter__(self) -> _VersionWitness:
+        self._versions = [t._version for t in self.tensors]
+        self._digests = [_digest(t) for t in self.tensors]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is not None:
+            return
+        moved = [t for t, v in zip(self.tensors, self._versions, strict=True) if t._version != v]
+        moved += [t for t, d in zip(self.tensors, self._digests, strict=True) if _digest(t) != d]
+        self.written = {storage_key(t) for t in moved}
+
+
+DIGEST_CHUNKS = 256  # a tensor above DIGEST_CHUNKS * DIGEST_CHUNK_BYTES is hashed by evenly spaced chunks
+DIGEST_CHUNK_BYTES = 256
+
+
+def _digest(t: torch.Tensor) -> bytes | None:
+    """A hash of a CPU tensor's bytes (of evenly spaced chunks of them when it is large: an
+    update writes every element), read without PyTorch allocating; None off the CPU or for a
+    tensor numpy cannot view (its version counter decides alone)."""
+    if t.device.type != "cpu" or t.layout != torch.strided:
+        return None
+    data = t.detach()
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(data.element_size())
+    try:
+        if as_int is not None and not data.is_complex():
+            data = data.view(as_int)
+        array = data.numpy()
+    except (TypeError, RuntimeError):
+        return None
+    digest = hashlib.blake2b(digest_size=16)
+    if not array.flags.c_contiguous or array.nbytes <= DIGEST_CHUNKS * DIGEST_CHUNK_BYTES:
+        digest.update(array.tobytes())
+        return digest.digest()
+    raw = memoryview(array.reshape(-1)).cast("B")
+    stride = (len(raw) - DIGEST_CHUNK_BYTES) // (DIGEST_CHUNKS - 1)
+    for k in range(DIGEST_CHUNKS):
+        digest.update(raw[k * stride : k * stride + DIGEST_CHUNK_BYTES])
+    return digest.digest()
+
+
+def draws_nothing(capture: Capture) -> bool:
+    """Whether the captured program draws no random numbers: no op tagged
+    ``nondeterministic_seeded``, except attention with a literal ``dropout_p`` of 0 (CPU's flash
+    attention is tagged for its dropout, and draws nothing without it)."""
+    for node in capture.gm.graph.nodes:
+        if node.op != "call_function" or not is_random(node.target):
+            continue
+        names = [a.name for a in node.target._schema.arguments]
+        if "dropout_p" not in names:
+            return False
+        position = names.index("dropout_p")
+        p = node.args[position] if position < len(node.args) else node.kwargs.get("dropout_p", 0.0)
+        if not isinstance(p, (int, float)) or p != 0:
+            return False
+    return True
+
+
+def writes_marked(capture: Capture) -> bool:
+    """Whether every write of the captured program is marked in its op's schema: no op of
+    :data:`memplan.torch.tensors.HIDDEN_WRITES` (BatchNorm's running statistics) in training."""
+    calls = (n for n in capture.gm.graph.nodes if n.op == "call_function")
+    return not any(writes_unmarked(n.target, n.args, n.kwargs) for n in calls)
+
+
+class UnobservedCheck:
+    """The full check of one step without a dispatch mode (see the module docstring): ``before()``
+    and ``after()`` run outside the planned allocator's recording (reading the generator's state
+    allocates a tensor), the step inside :meth:`SelfCheck.watch` with ``unobserved=True``."""
+
+    def __init__(self) -> None:
+        self._state: torch.Tensor | None = None
+
+    def before(self) -> None:
+        self._state = torch.random.get_rng_state()
+
+    def after(self) -> None:
+        state, self._state = self._state, None
+        if state is not None and not torch.equal(state, torch.random.get_rng_state()):
+            _fail("the step drew random numbers, which eager's step does not")
+
+
 class SelfCheck:
     """``with check.watch(): step(...)`` raises :class:`SelfCheckFailed` if the step did not
     change exactly what eager's step changes (see the module docstring)."""
@@ -103,26 +205,43 @@ class SelfCheck:
     ) -> None:
         self.optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
         self.expected = expectations(capture, self.optimizers, model)
+        self._draws_nothing, self._writes_marked = draws_nothing(capture), writes_marked(capture)
         self.model = model
         self.scaler = scaler
 
     @contextlib.contextmanager
-    def watch(self, *, observe_ops: bool = True) -> Iterator[None]:
+    def watch(self, *, observe_ops: bool = True, unobserved: bool = False) -> Iterator[None]:
         """Check the step run inside. ``observe_ops=False`` checks only what needs no dispatch
         mode (optimizer state, gradients): a Python dispatch mode wraps scalars into tensors,
-        which changes the allocation sequence the planned allocator replays."""
+        which changes the allocation sequence the planned allocator replays. ``unobserved``:
+        the writes by version counters and bytes instead (:class:`_VersionWitness`), for a step
+        whose random generator an :class:`UnobservedCheck` around it checks, and only where
+        :meth:`unobserved_possible` holds."""
         before = self._state_before()
         scale_before = self._scale()
-        witness = _Witness({name for name, _ in self.expected.random_ops})
+        if unobserved:
+            tensors = [*(p for _, p in self.model.named_parameters()), *(b for _, b in self.model.named_buffers())]
+            witness: Any = _VersionWitness(tensors)
+        else:
+            witness = _Witness({name for name, _ in self.expected.random_ops})
         with witness if observe_ops else contextlib.nullcontext():
             yield
         skipped = self._scaler_skipped(before, scale_before)
         if observe_ops:
             self._check_writes(witness.written, skipped)
-            self._check_random(witness.random_ops)
+            if not unobserved:
+                self._check_random(witness.random_ops)
         if not skipped:
             self._check_state(before)
         self._check_grads()
+
+    def unobserved_possible(self) -> bool:
+        """Whether a full check of this step can do without a dispatch mode: its program draws
+        nothing, marks every write, and no optimizer is fused (``fused=True``: its kernels write
+        the parameters without moving their version counters, and an update may leave them
+        byte for byte, at a warm-up's lr of 0)."""
+        fused = any(group.get("fused") for opt in self.optimizers for group in opt.param_groups)
+        return not fused and self._draws_nothing and self._writes_marked
 
     def _scale(self) -> float | None:
         scale = getattr(self.scaler, "_scale", None) if self.scaler is not None else None
