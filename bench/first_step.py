@@ -1,7 +1,8 @@
 """Time to the first replayed step (issue 37): eager's first step vs memplan cold and restarted.
 
-For each zoo model at batch 8, and a Llama-style decoder (:func:`llama_workload`) (AdamW, the classic step ``loss_fn(model(x), y)``, backward,
-``step()``, ``zero_grad(set_to_none=True)``), three fresh processes, one after the other:
+For each zoo model at batch 8 and a Llama-style decoder (:func:`llama_workload`), with AdamW and
+the classic step (``loss_fn(model(x), y)``, backward, ``step()``, ``zero_grad(set_to_none=True)``),
+three fresh processes, one after the other:
 
 * **eager**: the seconds of eager PyTorch's first step;
 * **cold**: ``memplan`` with ``plan_cache=FOLDER`` on an empty folder: the seconds from the

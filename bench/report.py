@@ -44,6 +44,7 @@ ORDER = [
     "fit.gpt2",
     "fit.llama-0.3b",
     "first_step",
+    "first_step_reproducible",
     "step_overhead",
     "step_overhead_views",
     "step_overhead_budget",

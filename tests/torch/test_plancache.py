@@ -87,7 +87,9 @@ def test_a_restarted_step_uses_the_cached_plan_from_its_first_step_bit_for_bit(t
     again = warm.report["first_steps"]
     assert again["plan"] == "cached" and again["visits_before_replay"] == 0
     if allocator == "replay":
-        assert first["placement"] == "solved" and first["visits_before_replay"] == 2  # observed, recorded
+        # the first step recorded (checked without a dispatch mode, the optimizer state it made
+        # left out of the recording), the second replayed
+        assert first["placement"] == "solved" and first["visits_before_replay"] == 1
         assert again["placement"] == "cached" and again["replayed_at_call"] == 1
         assert _runner(warm).recordings == 0 and _runner(warm).replays == 3
     assert next(iter(warm.plans.values())).order == next(iter(cold.plans.values())).order
@@ -163,7 +165,8 @@ def test_a_cached_placement_that_overlaps_in_a_branch_is_solved_again_never_run(
     with pytest.warns(PlanCacheWarning, match="holds an invalid placement"):
         compiled, losses, state = _planned(tmp_path, 3)
     first = compiled.report["first_steps"]
-    assert first["plan"] == "cached" and first["placement"] == "solved" and first["replayed_at_call"] == 3
+    # recorded, then replayed
+    assert first["plan"] == "cached" and first["placement"] == "solved" and first["replayed_at_call"] == 2
     _same_as_eager(losses, state, 3)
 
 
@@ -174,7 +177,7 @@ def test_a_stale_trace_only_makes_the_step_finish_on_the_allocator_then_record_a
     for trace in entry["replay"]["traces"]:  # a valid placement of requests this step does not make
         trace["sizes"] = [max(1, size - 1) for size in trace["sizes"]]
     path.write_text(json.dumps(entry))
-    compiled, losses, state = _planned(tmp_path, 4)  # observed (left it), left it: stale; recorded; replayed
+    compiled, losses, state = _planned(tmp_path, 4)  # the first step left it: stale; recorded; replayed
     runner, first = _runner(compiled), compiled.report["first_steps"]
     assert first["plan"] == "cached" and first["placement"] == "solved" and first["cache_entry"].startswith("stale")
     assert runner.recordings == 1 and len(runner.traces) == 1  # the stale branches are gone

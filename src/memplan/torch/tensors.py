@@ -57,13 +57,6 @@ def written_arguments(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> l
     return written
 
 
-def writes_unmarked(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
-    """Whether a call of ``op`` writes an argument its schema does not mark (:data:`HIDDEN_WRITES`
-    in training)."""
-    schema = getattr(op, "_schema", None)
-    return schema is not None and schema.name in HIDDEN_WRITES and _batch_norm_training(args, kwargs)
-
-
 def _batch_norm_training(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     training = args[5] if len(args) > 5 else kwargs.get("training", False)
     return bool(training)

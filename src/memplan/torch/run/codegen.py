@@ -425,7 +425,8 @@ def _plain_call(w: _Writer, ins: Any, stats: dict[str, Any]) -> None:
         into = w.expr(node.args[ins.inplace_arg])
         stats["inplace_bytes"] += ins.fresh[0].meta.untyped_storage().nbytes()
         out = {ins.out_names[0]: node.args[ins.inplace_arg].meta.get("val")}
-        _store(w, node, f"{_kernel(w, ins.out_op, node, out)}({w.call_args(node, {ins.out_names[0]: into})})")
+        kernel = _kernel(w, ins.out_op, node, out)
+        _store(w, node, _watched_call(w, node, kernel, w.call_args(node, {ins.out_names[0]: into})))
         return
     if ins.strategy == "kernel":
         meta = ins.fresh[0].meta
@@ -436,7 +437,17 @@ def _plain_call(w: _Writer, ins: Any, stats: dict[str, Any]) -> None:
         write = w.constant(ARENA_KERNELS[node.target._schema.name].write, "write")
         w.emit(f"{write}({w.local[node.name]}, {w.call_args(node)})")
         return
-    _store(w, node, f"{_kernel(w, node.target, node)}({w.call_args(node)})")
+    _store(w, node, _watched_call(w, node, _kernel(w, node.target, node), w.call_args(node)))
+
+
+def _watched_call(w: _Writer, node: torch.fx.Node, kernel: str, args: str) -> str:
+    """``kernel(args)``; through ``runner._watched`` for an op the self-check follows without a
+    dispatch mode (a random op, a write its schema does not mark: :func:`watched_op`)."""
+    from memplan.torch.run.interpreter import watched_op
+
+    if not watched_op(node.target):
+        return f"{kernel}({args})"
+    return f"runner._watched({kernel}, {w.constant(node.target, 'op')}{', ' if args else ''}{args})"
 
 
 def _planned_call(w: _Writer, ins: Any, stats: dict[str, Any]) -> None:

@@ -36,7 +36,7 @@ from memplan.torch.capture.regions import only_params as _only_params
 from memplan.torch.run.constants import bind_constants
 from memplan.torch.run.selfcheck import SelfCheck, UnobservedCheck
 from memplan.torch.run.updates import UpdateGroup, check_optimizers, update_groups
-from memplan.torch.tensors import storage_key, tensor_leaves
+from memplan.torch.tensors import HIDDEN_WRITES, is_random, storage_key, tensor_leaves
 
 ARENA_ALIGNMENT_BYTES = 64
 EXECUTORS = ("generated", "interpreted")
@@ -353,7 +353,7 @@ class StepRunner:
         self.last_step_observed = check == "full" and not unobserved
         if check is None:
             return self.run_step(batch)
-        with self.self_check.watch(observe_ops=check == "full", unobserved=unobserved):
+        with self.self_check.watch(observe_ops=check == "full", unobserved=self._unobserved if unobserved else None):
             return self.run_step(batch)
 
     # whether the first step's full check may do without a dispatch mode (before_step); a
@@ -370,9 +370,17 @@ class StepRunner:
         self.prepare()
         self._unobserved = None
         cpu = not self.plan.offsets and self.arena.device.type == "cpu"
-        if self._next_check == "full" and cpu and self.unobserved_first_check and self.self_check.unobserved_possible():
+        possible = cpu and self.unobserved_first_check and self._random_ops_all_called
+        if self._next_check == "full" and possible and self.self_check.unobserved_possible():
             self._unobserved = UnobservedCheck()
             self._unobserved.before()
+
+    @cached_property
+    def _random_ops_all_called(self) -> bool:
+        """Whether every random op of the captured program is one the runtime calls itself
+        (through :meth:`_watched`), none inside an update it hands to the user's optimizer."""
+        called = sum(1 for ins in self.instructions if isinstance(ins, _Call) and is_random(ins.node.target))
+        return called == len(self.self_check.expected.random_ops)
 
     def after_step(self) -> None:
         """After a step :meth:`before_step` prepared, outside the recording: the random
@@ -380,6 +388,15 @@ class StepRunner:
         check, self._unobserved = self._unobserved, None
         if check is not None:
             check.after()
+
+    def _watched(self, fn: Callable[..., Any], op: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, the call of ``op`` (a random op, or one that writes an
+        argument its schema does not mark: :func:`watched_op`), noted for the unobserved check
+        when one is armed (:meth:`before_step`); nothing it notes allocates a tensor."""
+        check = self._unobserved
+        if check is None:
+            return fn(*args, **kwargs)
+        return check.call(fn, op, args, kwargs)
 
     def prepare(self) -> None:
         """Write the generated program now, not in the next step: writing it runs ops (on meta
@@ -415,12 +432,18 @@ class StepRunner:
             elif plain:
                 args, kwargs = ins.fetch(env)
                 if ins.strategy == "inplace":
-                    result = ins.out_op(*args, **kwargs, **{ins.out_names[0]: args[ins.inplace_arg]})
+                    into = {ins.out_names[0]: args[ins.inplace_arg]}
+                    if watched_op(ins.node.target):
+                        result = self._watched(ins.out_op, ins.node.target, *args, **kwargs, **into)
+                    else:
+                        result = ins.out_op(*args, **kwargs, **into)
                     self.stats.inplace_bytes += result.untyped_storage().nbytes()
                 elif ins.strategy == "kernel":
                     meta = ins.fresh[0].meta
                     result = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device=meta.device)
                     ARENA_KERNELS[ins.node.target._schema.name].write(result, *args, **kwargs)
+                elif watched_op(ins.node.target):
+                    result = self._watched(ins.node.target, ins.node.target, *args, **kwargs)
                 else:
                     result = ins.node.target(*args, **kwargs)
                 _store(ins.node, result, env)
@@ -578,6 +601,14 @@ class StepRunner:
         if isinstance(copied, (list, tuple)) and len(copied) == 1:
             return copied[0]
         return copied
+
+
+def watched_op(op: Any) -> bool:
+    """Whether the runtime calls ``op`` through ``StepRunner._watched``: it may draw random
+    numbers, or write an argument its schema does not mark (the self-check's unobserved form
+    follows those calls, :class:`memplan.torch.run.selfcheck.UnobservedCheck`)."""
+    schema = getattr(op, "_schema", None)
+    return schema is not None and (is_random(op) or schema.name in HIDDEN_WRITES)
 
 
 class _ReplayIntoArena(TorchDispatchMode):

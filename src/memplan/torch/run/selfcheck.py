@@ -20,14 +20,16 @@ Writes and random draws are observed around the step (only while checking), by a
 (every op's written storages, the random ops and their output shapes). A dispatch mode changes
 the step's allocations, though (it wraps scalars into tensors and changes which kernels
 allocate), so the first step the planned CPU allocator records would not stand for the later
-ones. Where the program draws no random numbers and every write is marked in its op's schema
-(no BatchNorm in training: its running statistics are written unmarked), the first step is
-checked without one (:meth:`SelfCheck.unobserved`, issue 37): the parameters' and buffers'
-version counters (every op that writes an argument its schema marks bumps its counter, which
-views share) and bytes (a write through ``.data``, whose counter is its own), and the random
-generator's state, which any draw moves, taken before and after the step, outside the
-recording (:class:`UnobservedCheck`). A violation raises :class:`memplan.errors.SelfCheckFailed`
-naming what differs.
+ones. There the first step is checked without one (issue 37: :class:`UnobservedCheck`): the
+runtime calls the ops that draw random numbers or write an argument their schema does not mark
+(BatchNorm's running statistics) through ``StepRunner._watched``, which notes each random op
+with its output shapes and the generator's state around it, and each unmarked write's storage;
+every other write shows in the parameters' and buffers' version counters (every op that writes
+an argument its schema marks bumps its counter, which views share) or bytes (a write through
+``.data``, whose counter is its own); and the generator's states, read before and after the step
+outside the recording, must chain through the random ops' with no draw between them. None of it
+allocates a tensor. A violation raises :class:`memplan.errors.SelfCheckFailed` naming what
+differs.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import torch
 from memplan.errors import SelfCheckFailed
 from memplan.torch.capture import Capture
-from memplan.torch.tensors import is_random, storage_key, tensor_leaves, writes_unmarked, written_arguments
+from memplan.torch.tensors import is_random, storage_key, tensor_leaves, written_arguments
 
 
 @dataclass(frozen=True)
@@ -151,45 +153,50 @@ def _digest(t: torch.Tensor) -> bytes | None:
     return digest.digest()
 
 
-def draws_nothing(capture: Capture) -> bool:
-    """Whether the captured program draws no random numbers: no op tagged
-    ``nondeterministic_seeded``, except attention with a literal ``dropout_p`` of 0 (CPU's flash
-    attention is tagged for its dropout, and draws nothing without it)."""
-    for node in capture.gm.graph.nodes:
-        if node.op != "call_function" or not is_random(node.target):
-            continue
-        names = [a.name for a in node.target._schema.arguments]
-        if "dropout_p" not in names:
-            return False
-        position = names.index("dropout_p")
-        p = node.args[position] if position < len(node.args) else node.kwargs.get("dropout_p", 0.0)
-        if not isinstance(p, (int, float)) or p != 0:
-            return False
-    return True
-
-
-def writes_marked(capture: Capture) -> bool:
-    """Whether every write of the captured program is marked in its op's schema: no op of
-    :data:`memplan.torch.tensors.HIDDEN_WRITES` (BatchNorm's running statistics) in training."""
-    calls = (n for n in capture.gm.graph.nodes if n.op == "call_function")
-    return not any(writes_unmarked(n.target, n.args, n.kwargs) for n in calls)
-
-
 class UnobservedCheck:
-    """The full check of one step without a dispatch mode (see the module docstring): ``before()``
-    and ``after()`` run outside the planned allocator's recording (reading the generator's state
-    allocates a tensor), the step inside :meth:`SelfCheck.watch` with ``unobserved=True``."""
+    """The full check of one step without a dispatch mode (see the module docstring).
+    :meth:`before` and :meth:`after` run outside the planned allocator's recording (reading the
+    generator's state allocates a tensor), the step inside :meth:`SelfCheck.watch` with
+    ``unobserved=self``, its random ops and unmarked writes through :meth:`call`."""
 
     def __init__(self) -> None:
-        self._state: torch.Tensor | None = None
+        self.random_ops: list[tuple[str, tuple[tuple[int, ...], ...]]] = []
+        self.unmarked: set[int] = set()  # storages written by ops that do not mark the write
+        self._states: list[Any] = []  # the generator around each random op: (before, after) clones
+        self._first: torch.Tensor | None = None
 
     def before(self) -> None:
-        self._state = torch.random.get_rng_state()
+        self._first = torch.random.get_rng_state()
+
+    def call(self, fn: Any, op: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """``fn(*args, **kwargs)``, the call of ``op``, noted."""
+        if not is_random(op):
+            result = fn(*args, **kwargs)
+            for value in written_arguments(op, args, kwargs):
+                self.unmarked.update(storage_key(t) for t in tensor_leaves(value))
+            return result
+        generator = torch.default_generator
+        before = generator.clone_state()  # a generator object: no tensor allocated
+        result = fn(*args, **kwargs)
+        self._states.append((before, generator.clone_state()))
+        self.random_ops.append((op._schema.name, _shapes(result)))
+        return result
 
     def after(self) -> None:
-        state, self._state = self._state, None
-        if state is not None and not torch.equal(state, torch.random.get_rng_state()):
-            _fail("the step drew random numbers, which eager's step does not")
+        """The generator's states chain: from the step's start through each random op's to the
+        step's end, with no draw between (raises :class:`SelfCheckFailed`)."""
+        first, self._first = self._first, None
+        if first is None:
+            return
+        chain = [first]
+        for before, after in self._states:
+            chain += [before.get_state(), after.get_state()]
+        chain.append(torch.random.get_rng_state())
+        for k in range(0, len(chain), 2):
+            if not torch.equal(chain[k], chain[k + 1]):
+                where = "before its first random op" if k == 0 else f"after random op #{k // 2 - 1}"
+                where = "" if len(chain) == 2 else f" {where}"
+                _fail(f"the step drew random numbers{where} outside the ops eager draws with")
 
 
 class SelfCheck:
@@ -205,21 +212,20 @@ class SelfCheck:
     ) -> None:
         self.optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
         self.expected = expectations(capture, self.optimizers, model)
-        self._draws_nothing, self._writes_marked = draws_nothing(capture), writes_marked(capture)
         self.model = model
         self.scaler = scaler
 
     @contextlib.contextmanager
-    def watch(self, *, observe_ops: bool = True, unobserved: bool = False) -> Iterator[None]:
+    def watch(self, *, observe_ops: bool = True, unobserved: UnobservedCheck | None = None) -> Iterator[None]:
         """Check the step run inside. ``observe_ops=False`` checks only what needs no dispatch
         mode (optimizer state, gradients): a Python dispatch mode wraps scalars into tensors,
         which changes the allocation sequence the planned allocator replays. ``unobserved``:
-        the writes by version counters and bytes instead (:class:`_VersionWitness`), for a step
-        whose random generator an :class:`UnobservedCheck` around it checks, and only where
+        the full check without one (:class:`UnobservedCheck`: the caller runs its ``before``
+        and ``after`` around this, and the step's watched ops through its ``call``), only where
         :meth:`unobserved_possible` holds."""
         before = self._state_before()
         scale_before = self._scale()
-        if unobserved:
+        if unobserved is not None:
             tensors = [*(p for _, p in self.model.named_parameters()), *(b for _, b in self.model.named_buffers())]
             witness: Any = _VersionWitness(tensors)
         else:
@@ -228,20 +234,18 @@ class SelfCheck:
             yield
         skipped = self._scaler_skipped(before, scale_before)
         if observe_ops:
-            self._check_writes(witness.written, skipped)
-            if not unobserved:
-                self._check_random(witness.random_ops)
+            written = witness.written if unobserved is None else witness.written | unobserved.unmarked
+            self._check_writes(written, skipped)
+            self._check_random(witness.random_ops if unobserved is None else unobserved.random_ops)
         if not skipped:
             self._check_state(before)
         self._check_grads()
 
     def unobserved_possible(self) -> bool:
-        """Whether a full check of this step can do without a dispatch mode: its program draws
-        nothing, marks every write, and no optimizer is fused (``fused=True``: its kernels write
-        the parameters without moving their version counters, and an update may leave them
-        byte for byte, at a warm-up's lr of 0)."""
-        fused = any(group.get("fused") for opt in self.optimizers for group in opt.param_groups)
-        return not fused and self._draws_nothing and self._writes_marked
+        """Whether a full check of this step can do without a dispatch mode: no optimizer is
+        fused (``fused=True``: its kernels write the parameters without moving their version
+        counters, and an update may leave them byte for byte, at a warm-up's lr of 0)."""
+        return not any(group.get("fused") for opt in self.optimizers for group in opt.param_groups)
 
     def _scale(self) -> float | None:
         scale = getattr(self.scaler, "_scale", None) if self.scaler is not None else None
