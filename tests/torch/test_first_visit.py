@@ -239,3 +239,41 @@ def test_a_restart_replays_its_first_step_from_the_cache_bit_for_bit(tmp_path):
     for _, losses, state in runs:
         assert all(torch.equal(a, b) for a, b in zip(losses, eager_losses, strict=True))
         assert differences(state, eager_state) == []
+
+
+class NoisySGD(torch.optim.SGD):
+    """An optimizer that draws: noise added to every parameter it updates."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        super().step()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(torch.randn_like(p), alpha=1e-3)
+
+
+def test_an_optimizer_that_draws_keeps_the_dispatch_mode_check_and_trains_bit_for_bit():
+    """Its draws run inside the user's optimizer, not through the runtime's watched calls, so
+    its first step is observed by the dispatch mode (and recorded again)."""
+    results = []
+    for planned in (False, True):
+        model, _, batch = _setup()
+        opt = NoisySGD(model.parameters(), lr=0.1)
+        if planned:
+            step = memplan.compile_step(model, opt, torch.nn.functional.cross_entropy, batch, allocator="replay")
+        else:
+
+            def step(b, model=model, opt=opt):
+                loss = torch.nn.functional.cross_entropy(model(b[0]), b[1])
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                return loss
+
+        torch.manual_seed(1)
+        results.append(([step(batch).detach() for _ in range(3)], snapshot(model, opt)))
+    (eager_losses, eager_state), (losses, state) = results
+    assert step.report["first_steps"]["visits_before_replay"] == 2
+    assert all(torch.equal(a, b) for a, b in zip(losses, eager_losses, strict=True))
+    assert differences(state, eager_state) == []
