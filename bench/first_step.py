@@ -226,9 +226,10 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, command: str)
         "loss and the final parameters equal eager's. Seconds on a shared 2-core machine: noisy, so the",
         "same ratios in CPU seconds (the process's threads and its solver children) are given too.",
         "The bits compare processes, and eager's own CPU step is not reproducible across processes with",
-        "2 threads here (MKL's GEMMs: the LSTM's eager step gave other bits in 5 of 15 processes, none",
-        "with 1 thread or MKL_CBWR=COMPATIBLE): a DIFFER here can be eager's own, which `--reproducible`",
-        "(MKL_CBWR=COMPATIBLE in every process) tells apart; the tests compare within one process.",
+        "2 threads here (`bench/results/eager_repro.md`: the LSTM's eager step gave two results in 15",
+        "processes, one with 1 thread or MKL_CBWR=COMPATIBLE): a DIFFER here can be eager's own, which",
+        "`--reproducible` (MKL_CBWR=COMPATIBLE in every process) tells apart; the tests compare within",
+        "one process.",
         *_load_line(args),
         "",
         "| model | eager 1st step (s) | cold (s) | cold x | restarted (s) | restarted x | cold x CPU "

@@ -45,6 +45,7 @@ ORDER = [
     "fit.llama-0.3b",
     "first_step",
     "first_step_reproducible",
+    "eager_repro",
     "step_overhead",
     "step_overhead_views",
     "step_overhead_budget",
