@@ -219,7 +219,7 @@ def test_examples_run(script):
     done = subprocess.run(
         [sys.executable, str(ROOT / "examples" / script)], capture_output=True, text=True, timeout=600, cwd=ROOT
     )
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]  # its steps' lines say which differed
     assert "DIFFERS" not in done.stdout
 
 
