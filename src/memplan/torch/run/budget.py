@@ -864,16 +864,15 @@ class BudgetedReplay(ReplayedStep):
     def _record(self, batch: Any) -> Any:
         """A recording step on the ordinary allocator, its large blocks mapped on their own so
         that the C library's heap does not hold their pages past their frees (:mod:`heap`).
-        A plain plan's generated function is written before its first step and the heap it
-        freed handed back, so no step runs on top of that; when the step places nothing, what
+        A plain plan's generated function is written before its first step
+        (:meth:`_program_written`: the heap it freed handed back), so no step runs on top of
+        that; when the step places nothing, what
         the recording steps left resident is counted before the next one runs
         (:meth:`_recheck`). A re-plan refused after the step ran is kept for the next call
         (:attr:`refusal`, said now in a warning): this call's update has been applied, as eager's."""
         self._batch = batch
         ran: tuple[Any] | None = None
         try:
-            if self.recordings == 0:
-                self._write_ahead()
             with blocks_mapped():
                 result = super()._record(batch)
             ran = (result,)
@@ -891,18 +890,12 @@ class BudgetedReplay(ReplayedStep):
             self._batch = None
             self.recorded = None
 
-    def _write_ahead(self) -> None:
-        """A plain plan's step written as one function now (a remat plan's is written at the end
-        of its first, interpreted step: :class:`memplan.torch.run.remat.RematRunner`), the C
-        heap's freed pages handed back: compiling it must not leave them under the step's peak."""
-        from memplan.torch.run.interpreter import StepRunner
-        from memplan.torch.run.remat import RematRunner
-
-        run = self.run
-        plain = isinstance(run, StepRunner) and not isinstance(run, RematRunner)
-        if plain and run.executor == "generated" and run._generated is None:
-            run.generated_step()
-            self.native.release_free_memory()
+    def _program_written(self) -> None:
+        """A plain plan's step was written as one function just now, before the step (a remat
+        plan's is written at the end of its first, interpreted step:
+        :class:`memplan.torch.run.remat.RematRunner`): the C heap's freed pages handed back, so
+        compiling it leaves none under the step's peak."""
+        self.native.release_free_memory()
 
     def _recheck(self) -> None:
         """After a recording step that placed nothing, the next runs the same plan on the

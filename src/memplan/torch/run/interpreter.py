@@ -360,20 +360,23 @@ class StepRunner:
     # subclass whose first step runs otherwise than its later ones (remat's) keeps the mode
     unobserved_first_check = True
 
-    def before_step(self) -> None:
+    def before_step(self) -> bool:
         """Before the planned CPU allocator records or replays a step, outside its recording:
         the program is written (writing it runs ops), and where the next step's full check can
         do without a dispatch mode (:meth:`SelfCheck.unobserved_possible`, no arena views: an
         optimizer's in-place ops served by out= variants move no version counter) the random
         generator's state is taken for it: that step's allocations are then its own, so its
-        recording stands for the later steps' (issue 37). :meth:`after_step` checks the state."""
-        self.prepare()
+        recording stands for the later steps' (issue 37). :meth:`after_step` checks the state.
+        True when the program was written now."""
+        wrote = self.prepare()
         self._unobserved = None
+        if self._next_check != "full" or not self.unobserved_first_check:
+            return wrote
         cpu = not self.plan.offsets and self.arena.device.type == "cpu"
-        possible = cpu and self.unobserved_first_check and self._random_ops_all_called
-        if self._next_check == "full" and possible and self.self_check.unobserved_possible():
+        if cpu and self._random_ops_all_called and self.self_check.unobserved_possible():
             self._unobserved = UnobservedCheck()
             self._unobserved.before()
+        return wrote
 
     @cached_property
     def _random_ops_all_called(self) -> bool:
@@ -398,11 +401,14 @@ class StepRunner:
             return fn(*args, **kwargs)
         return check.call(fn, op, args, kwargs)
 
-    def prepare(self) -> None:
+    def prepare(self) -> bool:
         """Write the generated program now, not in the next step: writing it runs ops (on meta
-        tensors, and a few CPU scalars), which a recording of the step must not log (issue 37)."""
-        if self.executor == "generated":
-            self.generated_step()
+        tensors, and a few CPU scalars), which a recording of the step must not log (issue 37).
+        True when it was written now."""
+        if self.executor != "generated" or self._generated is not None:
+            return False
+        self.generated_step()
+        return True
 
     def request_self_check(self) -> None:
         """Check the next step's optimizer state and gradients (the planned allocator asks for

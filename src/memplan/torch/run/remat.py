@@ -179,6 +179,11 @@ class RematRunner(StepRunner):
                 self.generated_step()  # written now, at the end of this step, not inside the next one
         return self._result(env)
 
+    def prepare(self) -> bool:
+        """Nothing before the first step, which runs interpreted (its program is written at its
+        end, :meth:`run_step`); later, as :class:`StepRunner`'s."""
+        return super().prepare() if self.learned else False
+
     def generated_step(self) -> Any:
         """The step sequence written as one function (generated once, on first use)."""
         if self._generated is None:

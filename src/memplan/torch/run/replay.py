@@ -153,12 +153,17 @@ class ReplayedStep:
         if self.refused is not None:
             return self.run(batch)
         before, after = getattr(self.run, "before_step", None), getattr(self.run, "after_step", None)
-        if before is not None:
-            before()  # outside the recording or replay: the runner's one-off work, its check's state
+        # outside the recording or replay: the runner's one-off work, its check's state
+        if before is not None and before():
+            self._program_written()
         result = self._record_or_replay(batch)
         if after is not None:
             after()
         return result
+
+    def _program_written(self) -> None:
+        """Called when the runner wrote its program just before a step (a subclass that holds
+        the step to a budget gives back the heap that writing freed)."""
 
     def _record_or_replay(self, batch: Any) -> Any:
         if self.plan is None:
