@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ortools.sat.python import cp_model
+if TYPE_CHECKING:
+    from ortools.sat.python import cp_model
 
 
 @dataclass(frozen=True)
@@ -30,29 +32,46 @@ class SolveStatus:
     seconds: float
 
 
-_STATUS = {
-    cp_model.OPTIMAL: "optimal",
-    cp_model.FEASIBLE: "feasible",
-    cp_model.INFEASIBLE: "infeasible",
-    cp_model.MODEL_INVALID: "invalid",
-    cp_model.UNKNOWN: "unknown",
-}
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1
+"""CP-SAT's ``cp_model.INT_MIN``/``INT_MAX``: a domain end at either is unbounded."""
 
 
-class _Progress(cp_model.CpSolverSolutionCallback):
-    """Reports each improving solution and remembers when the last one came."""
+@functools.cache
+def _status_names() -> dict[int, str]:
+    # OR-Tools (with pandas, about 0.25 s and 57 MiB) is imported on a solver's first call, not
+    # with this module: the order and placement heuristics that import this one often settle a
+    # plan without it (issue 37: the solver child of a first step)
+    from ortools.sat.python import cp_model
 
-    def __init__(self, report: Callable[[float, float], None] | None) -> None:
-        super().__init__()
-        self._report = report
-        self.last_improvement = time.perf_counter()
-        self.solutions = 0
+    return {
+        cp_model.OPTIMAL: "optimal",
+        cp_model.FEASIBLE: "feasible",
+        cp_model.INFEASIBLE: "infeasible",
+        cp_model.MODEL_INVALID: "invalid",
+        cp_model.UNKNOWN: "unknown",
+    }
 
-    def on_solution_callback(self) -> None:
-        self.last_improvement = time.perf_counter()
-        self.solutions += 1
-        if self._report is not None:
-            self._report(self.ObjectiveValue(), self.BestObjectiveBound())
+
+@functools.cache
+def _progress_class() -> type:
+    from ortools.sat.python import cp_model
+
+    class _Progress(cp_model.CpSolverSolutionCallback):
+        """Reports each improving solution and remembers when the last one came."""
+
+        def __init__(self, report: Callable[[float, float], None] | None) -> None:
+            super().__init__()
+            self._report = report
+            self.last_improvement = time.perf_counter()
+            self.solutions = 0
+
+        def on_solution_callback(self) -> None:
+            self.last_improvement = time.perf_counter()
+            self.solutions += 1
+            if self._report is not None:
+                self._report(self.ObjectiveValue(), self.BestObjectiveBound())
+
+    return _Progress
 
 
 class Found:
@@ -97,7 +116,7 @@ def stopping(event: threading.Event) -> Iterator[None]:
 
 def _watchdog(
     solver: cp_model.CpSolver,
-    progress: _Progress,
+    progress: Any,
     stall_seconds: float | None,
     stop: threading.Event | None,
     first_only: bool = False,
@@ -139,6 +158,8 @@ def solve_cp_sat(
     once when the :func:`stopping` event of the calling context is set);
     ``parameters`` sets further CP-SAT parameters by name (e.g. ``hint_conflict_limit``);
     with ``first_solution_seconds`` the search stops if it has found no solution by then."""
+    from ortools.sat.python import cp_model
+
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.01, float(time_limit_seconds))
     solver.parameters.num_workers = workers
@@ -148,7 +169,7 @@ def solve_cp_sat(
     stop = _STOP.get()
     if stop is not None and stop.is_set():
         return solver, SolveStatus("unknown", None, None, None, 0.0)
-    callback = _Progress(progress)
+    callback = _progress_class()(progress)
     first_only = bool(first_solution_seconds) and not stall_seconds
     stall = first_solution_seconds if first_only else (stall_seconds or None)
     watchdog = _watchdog(solver, callback, stall, stop, first_only) if stall or stop is not None else None
@@ -159,7 +180,7 @@ def solve_cp_sat(
         if watchdog is not None:
             watchdog.set()
     seconds = time.perf_counter() - start
-    status = _STATUS.get(code, "unknown")
+    status = _status_names().get(code, "unknown")
     objective = bound = gap = None
     if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         objective = solver.ObjectiveValue()
@@ -273,8 +294,8 @@ def _add_mip_constraint(solver: Any, constraint: Any, xs: list[Any]) -> bool:
         domain = list(constraint.linear.domain)
         if len(domain) != 2:
             return False
-        low = domain[0] if domain[0] > cp_model.INT_MIN else -solver.infinity()
-        high = domain[1] if domain[1] < cp_model.INT_MAX else solver.infinity()
+        low = domain[0] if domain[0] > INT_MIN else -solver.infinity()
+        high = domain[1] if domain[1] < INT_MAX else solver.infinity()
         return _row(solver, xs, list(zip(constraint.linear.vars, constraint.linear.coeffs, strict=True)), low, high)
     # "unmet" enforcement: sum(1 - e), 0 exactly when every enforcement literal holds
     unmet = [(-ref - 1, 1) for ref in enforcement]

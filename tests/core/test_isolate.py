@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import types
 
@@ -75,3 +76,19 @@ def test_a_process_that_started_cuda_solves_in_itself(monkeypatch: pytest.Monkey
     initialised[0] = True
     assert cuda_started() and not forking_enabled()
     assert in_child(os.getpid) == os.getpid()
+
+
+def test_a_plan_that_needs_no_cp_sat_never_imports_or_tools() -> None:
+    # the solver child of a first step pays OR-Tools' import (about 0.25 s) only when a CP-SAT
+    # stage runs: a small chain's order is proven by the ideal search, its placement by the bound
+    code = (
+        "import sys\n"
+        "from memplan.graph.generate import random_dag\n"
+        "from memplan.pipeline import make_plan\n"
+        "plan = make_plan(random_dag(3, 12), time_limit_seconds=5)\n"
+        "assert plan.report['schedule']['status'] == 'optimal', plan.report['schedule']\n"
+        "assert plan.report['placement']['status'] == 'optimal', plan.report['placement']\n"
+        "print('ortools' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr

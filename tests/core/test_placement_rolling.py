@@ -6,7 +6,7 @@ import random
 import re
 from dataclasses import replace
 
-from memplan.placement import PlacementProblem, place, portfolio, solve_exact, validate_placement
+from memplan.placement import PlacementProblem, place, place_from_heuristic, portfolio, solve_exact, validate_placement
 from memplan.placement.generate import guillotine_rectangles, tight_instance
 from memplan.placement.rolling import roll_from_peak
 
@@ -104,3 +104,27 @@ def test_roll_places_tight_packings_with_deterministic_steps() -> None:
         validate_placement(inst.problem, placement)
         assert placement.arena_bytes == inst.optimal_arena_bytes
         assert placement.method.startswith("rolled-windows(w=4,")
+
+
+def test_place_from_heuristic_settles_at_the_bound_without_the_exact_solver() -> None:
+    problem = PlacementProblem.from_intervals([4, 2, 2], [(0, 2), (1, 3), (2, 4)])
+    calls: list[object] = []
+    placed = place_from_heuristic(problem, lambda start: calls.append(start) or start)
+    validate_placement(problem, placed)
+    assert not calls  # at the bound, proven: no exact solve (and no OR-Tools, no child)
+    assert (placed.arena_bytes, placed.status, placed.gap) == (problem.lower_bound_bytes, "optimal", 0.0)
+
+
+def test_place_from_heuristic_hands_its_placement_to_the_exact_solver_as_the_start() -> None:
+    problem = heuristics_miss()
+    starts: list[object] = []
+
+    def exact(start):
+        starts.append(start)
+        return solve_exact(problem, 10.0, start=start)
+
+    placed = place_from_heuristic(problem, exact)
+    validate_placement(problem, placed)
+    assert [s.arena_bytes for s in starts] == [portfolio(problem).arena_bytes]  # the heuristic's, computed once
+    assert placed.arena_bytes == problem.lower_bound_bytes == 8
+    assert place(problem, 10.0).arena_bytes == 8  # place() goes the same way

@@ -11,6 +11,7 @@ Typical use::
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -60,6 +61,20 @@ def solve_exact(problem: PlacementProblem, time_limit_seconds: float = 10.0, **o
     return solve(problem, time_limit_seconds, **options)
 
 
+def place_from_heuristic(problem: PlacementProblem, exact: Callable[[Placement], Placement]) -> Placement:
+    """:func:`place` with the heuristic portfolio run here first: where it meets the lower bound
+    (the most bytes live at once, OLLA 5.4) it is optimal, proven by the bound itself, and the
+    answer, in milliseconds, without OR-Tools; else ``exact(start)`` goes on from it (e.g.
+    :func:`solve_exact` in a child process, :func:`memplan.isolate.in_child`: on the zoo's
+    recorded steps the fork and OR-Tools' import cost about 0.25 s of the first replayed step
+    that a placement at the bound never needed, issue 37)."""
+    best = portfolio(problem)
+    bound, cap = problem.lower_bound_bytes, problem.capacity_bytes
+    if best.arena_bytes <= bound and (cap is None or best.arena_bytes <= cap):
+        return replace(best, status="optimal", gap=0.0, bound_bytes=bound)
+    return exact(best)
+
+
 class UnknownMethod(MemplanError, ValueError):
     pass
 
@@ -82,7 +97,8 @@ def place(
         raise UnknownMethod(f"unknown placement method {method!r}; choose one of {', '.join(METHODS)}")
     if method == "heuristic":
         return _heuristic(problem)
-    return solve_exact(problem, time_limit_seconds, workers=workers)
+    seconds = time_limit_seconds
+    return place_from_heuristic(problem, lambda start: solve_exact(problem, seconds, workers=workers, start=start))
 
 
 def _heuristic(problem: PlacementProblem) -> Placement:
@@ -126,6 +142,7 @@ __all__ = [
     "lower_bound_bytes",
     "parse_placement_csv",
     "place",
+    "place_from_heuristic",
     "placement_failures",
     "placement_fragmentation",
     "portfolio",

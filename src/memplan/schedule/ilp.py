@@ -54,8 +54,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
-from ortools.sat.python import cp_model
+from typing import TYPE_CHECKING
 
 from memplan.errors import SolverError
 from memplan.graph.analysis import Reachability, necessarily_resident_bytes, peak_lower_bound
@@ -69,7 +68,10 @@ from memplan.schedule.ideals import minimise_peak
 from memplan.schedule.problem import ScheduleProblem, ScheduleResult, gap_met, relative_gap
 from memplan.solvers import SolveStatus, solve_cp_sat
 
-Term = int | cp_model.IntVar  # a 0/1 constant or a Boolean variable
+if TYPE_CHECKING:  # OR-Tools is imported when a model is built (issue 37: most plans settle before)
+    from ortools.sat.python import cp_model
+
+    Term = int | cp_model.IntVar  # a 0/1 constant or a Boolean variable
 STALL_FRACTION = 0.2  # stop a segment's search once this share of its time brought nothing better
 # Time-indexed literals built per second (in Python, on a 2-core machine); a model that would
 # take more than half of its time to build is not started.
@@ -218,6 +220,8 @@ class SegmentModel:
     """Eq. (1)-(5), (13), (14) for the timesteps of one segment, in scaled bytes."""
 
     def __init__(self, graph: Graph, reach: Reachability, spans: Spans, segment: Segment):
+        from ortools.sat.python import cp_model
+
         self.graph, self.spans, self.segment = graph, spans, segment
         self.first, self.last = segment.first, segment.last
         self.model = cp_model.CpModel()

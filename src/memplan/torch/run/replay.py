@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from memplan.errors import MemplanError
 from memplan.isolate import in_child
-from memplan.placement import Placement, PlacementProblem, place, validate_placement
+from memplan.placement import Placement, PlacementProblem, place_from_heuristic, solve_exact, validate_placement
 from memplan.torch.run import allocator
 from memplan.torch.run.allocator import AllocationTrace, BranchedPlan, NativeReplay, ReplayStats
 from memplan.torch.run.arena import SharedArena
@@ -363,7 +363,8 @@ class ReplayedStep:
         start = time.perf_counter()
         trie = build_trie(traces)
         problem, buffers = trie_problem(trie)
-        solved = in_child(place, problem, time_limit_seconds=self.time_limit_seconds)
+        seconds = self.time_limit_seconds
+        solved = place_from_heuristic(problem, lambda start: in_child(solve_exact, problem, seconds, start=start))
         validate_placement(problem, solved)
         offsets = {i: solved.offsets_bytes[j] for j, i in enumerate(buffers)}
         lower_bound = validate_branches(trie, offsets, solved)
