@@ -258,14 +258,15 @@ def _padded_step(monkeypatch: pytest.MonkeyPatch, pad_bytes: int, model: torch.n
     from dataclasses import replace
 
     import memplan.torch.run.replay as replay
-    from memplan.placement import place
 
-    def padded(problem, **options):
-        solved = place(problem, **options)
+    place_recorded = replay.place_recorded
+
+    def padded(problem, time_limit_seconds):
+        solved = place_recorded(problem, time_limit_seconds)
         offsets = tuple(o + pad_bytes for o in solved.offsets_bytes)
         return replace(solved, offsets_bytes=offsets, arena_bytes=solved.arena_bytes + pad_bytes)
 
-    monkeypatch.setattr(replay, "place", padded)
+    monkeypatch.setattr(replay, "place_recorded", padded)
     loss = torch.nn.functional.cross_entropy
     step = memplan.compile_step(model, opt, loss, batch, memory_budget=0.75, allocator="replay", time_limit_seconds=2)
     return step, step.runners[next(iter(step.runners))]

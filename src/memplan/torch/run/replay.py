@@ -363,8 +363,7 @@ class ReplayedStep:
         start = time.perf_counter()
         trie = build_trie(traces)
         problem, buffers = trie_problem(trie)
-        seconds = self.time_limit_seconds
-        solved = place_from_heuristic(problem, lambda start: in_child(solve_exact, problem, seconds, start=start))
+        solved = place_recorded(problem, self.time_limit_seconds)
         validate_placement(problem, solved)
         offsets = {i: solved.offsets_bytes[j] for j, i in enumerate(buffers)}
         lower_bound = validate_branches(trie, offsets, solved)
@@ -379,6 +378,13 @@ class ReplayedStep:
         self.first_steps.setdefault("placing_seconds", round(time.perf_counter() - start, 3))
         if self.on_placed is not None:
             self.on_placed(self, offsets)
+
+
+def place_recorded(problem: PlacementProblem, time_limit_seconds: float) -> Placement:
+    """The recorded steps' placement: the heuristics here, where they meet the lower bound;
+    else the exact solver from their placement, in a child process (its memory stays out of
+    this one, :mod:`memplan.isolate`). See :func:`memplan.placement.place_from_heuristic`."""
+    return place_from_heuristic(problem, lambda start: in_child(solve_exact, problem, time_limit_seconds, start=start))
 
 
 def starting_with(plan: BranchedPlan, first: int) -> BranchedPlan:
