@@ -97,8 +97,11 @@ def place(
         raise UnknownMethod(f"unknown placement method {method!r}; choose one of {', '.join(METHODS)}")
     if method == "heuristic":
         return _heuristic(problem)
-    seconds = time_limit_seconds
-    return place_from_heuristic(problem, lambda start: solve_exact(problem, seconds, workers=workers, start=start))
+
+    def exact(start: Placement) -> Placement:
+        return solve_exact(problem, time_limit_seconds, workers=workers, start=start)
+
+    return place_from_heuristic(problem, exact)
 
 
 def _heuristic(problem: PlacementProblem) -> Placement:

@@ -26,10 +26,9 @@ import numpy as np
 
 from memplan.errors import MemplanError
 from memplan.remat.highs_worker import EXIT_NO_HIGHS, MISSING_HIGHS
-from memplan.solvers import SolveStatus
+from memplan.solvers import INT_MAX, INT_MIN, SolveStatus
 
 WORKER = Path(__file__).with_name("highs_worker.py")
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 GRACE_SECONDS = 60.0
 """Time the child may take beyond the solver's limit (start-up, loading the model)."""
 
@@ -105,7 +104,7 @@ def require_highs() -> None:
 
 
 def _bound(value: int) -> float:
-    return -np.inf if value <= INT64_MIN else np.inf if value >= INT64_MAX else float(value)
+    return -np.inf if value <= INT_MIN else np.inf if value >= INT_MAX else float(value)
 
 
 def _literal(ref: int) -> tuple[int, float, float]:
