@@ -686,7 +686,7 @@ class CompiledStep:
             capture,
             int(plan.report["planned_peak_bytes"]),
             self.model,
-            self.optimizers[0],
+            self.optimizers,
             batch,
             memory_budget=self.memory_budget,
             max_overhead=self.max_overhead,
@@ -699,7 +699,7 @@ class CompiledStep:
 
         def make_runner(schedule: Any) -> StepRunner:
             if schedule is not None:
-                return RematRunner(capture, schedule.steps, self.model, self.optimizers[0], executor=self.executor)
+                return RematRunner(capture, schedule.steps, self.model, self.optimizers, executor=self.executor)
             return StepRunner(
                 capture,
                 Plan(tuple(plan.order))
@@ -828,7 +828,7 @@ def compile(  # the name PyTorch users know (torch.compile)
     baselines, with each kernel's workspace measured within the budget). A recompute runs
     the same kernel on the same inputs and random ops are never recomputed, so numerics stay
     eager's bit for bit. A budget no plan reaches raises ``InfeasibleBudget`` with the smallest
-    peak there is; a step with a GradScaler or several optimizers is refused with a budget.
+    peak there is; a step with a GradScaler is refused with a budget (several optimizers are not).
     ``train_step.report["budget"]`` says what was decided (method, planned peak, overhead).
 
     A shape whose step runs the same ops as a kept plan's on tensors no larger reuses that

@@ -90,7 +90,7 @@ from memplan.torch.capture.trace import written_argument
 from memplan.torch.run.allocator import AllocationTrace, NativeReplay
 from memplan.torch.run.arena import SharedArena
 from memplan.torch.run.heap import blocks_mapped
-from memplan.torch.run.interpreter import _resolve
+from memplan.torch.run.interpreter import _as_list, _resolve
 from memplan.torch.run.profile import _measure_workspace, _ProfilingRunner
 from memplan.torch.run.replay import MAX_RECORDINGS, ReplayedStep
 
@@ -160,19 +160,14 @@ def check_max_overhead(max_overhead: float | None) -> None:
 
 
 def check_remat_supported(capture: Capture, optimizers: list[Any], scaler: Any) -> None:
-    """Refuse, in one line, what :class:`RematRunner` does not run: it makes one optimizer's
-    calls at their planned places, and no scaler's."""
+    """Refuse, in one line, what :class:`RematRunner` does not run: it makes the optimizers'
+    calls at their planned places (one or several, each as the step calls it), but no scaler's."""
     if capture.mode != "train":
         raise RematUnsupported("memory_budget plans a training step; an inference step keeps no activations to drop")
     if scaler is not None or capture.scaler is not None:
         raise RematUnsupported(
             "memory_budget with a GradScaler is not supported yet: drop memory_budget (reorder and placement still "
             "apply) or train without the scaler"
-        )
-    if len(optimizers) != 1:
-        raise RematUnsupported(
-            f"memory_budget supports a step with one optimizer, this one has {len(optimizers)}: drop memory_budget "
-            "or use one optimizer with several param groups"
         )
 
 
@@ -207,7 +202,7 @@ def plan_budget(
     capture: Capture,
     plain_peak_bytes: int,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     batch: Any,
     *,
     memory_budget: int | float | str | None,
@@ -234,15 +229,16 @@ def plan_budget(
     from memplan.torch.run.fit import fit_budget, is_fit
 
     check_max_overhead(max_overhead)
-    fit = fit_budget(model, [optimizer], batch) if is_fit(memory_budget) else None
+    optimizers = _as_list(optimizers)
+    fit = fit_budget(model, optimizers, batch) if is_fit(memory_budget) else None
     own = OwnBytes(outside_before_bytes, counted=fit is None and is_byte_budget(memory_budget))
-    own.measure_capture(model, optimizer, batch)
+    own.measure_capture(model, optimizers, batch)
     try:
         decided = _plan_budget(
             capture,
             plain_peak_bytes,
             model,
-            optimizer,
+            optimizers,
             batch,
             memory_budget=memory_budget,
             fit_bytes=None if fit is None else fit.budget_bytes,
@@ -262,7 +258,7 @@ def plan_budget(
         decided.report["limit"] = fit.as_report()
     elif memory_budget is not None and all(p.device.type == "cpu" for p in model.parameters()):
         planned = decided.report["planned_peak_bytes"]
-        decided.report["process"] = check_process_room(planned, model, optimizer, batch, outside=own.last_outside)
+        decided.report["process"] = check_process_room(planned, model, optimizers, batch, outside=own.last_outside)
     return decided
 
 
@@ -340,16 +336,16 @@ class OwnBytes:
         """:func:`own_reading` now (``before``: :func:`outside_step_bytes` before capture)."""
         return own_reading(model, optimizers, batch)
 
-    def _grown(self, model: torch.nn.Module, optimizer: Any, batch: Any) -> int:
-        now = None if self.before is None else self.reading(model, [optimizer], batch)
+    def _grown(self, model: torch.nn.Module, optimizers: Sequence[Any], batch: Any) -> int:
+        now = None if self.before is None else self.reading(model, optimizers, batch)
         self.last_outside = now
         return 0 if now is None or self.before is None else max(0, now - self.before)
 
-    def measure_capture(self, model: torch.nn.Module, optimizer: Any, batch: Any) -> None:
-        self.capture_bytes = self._grown(model, optimizer, batch)
+    def measure_capture(self, model: torch.nn.Module, optimizers: Sequence[Any], batch: Any) -> None:
+        self.capture_bytes = self._grown(model, optimizers, batch)
 
-    def measure_first_runs(self, model: torch.nn.Module, optimizer: Any, batch: Any) -> None:
-        self.first_runs_bytes = max(0, self._grown(model, optimizer, batch) - self.capture_bytes)
+    def measure_first_runs(self, model: torch.nn.Module, optimizers: Sequence[Any], batch: Any) -> None:
+        self.first_runs_bytes = max(0, self._grown(model, optimizers, batch) - self.capture_bytes)
 
     @property
     def total(self) -> int:
@@ -391,7 +387,7 @@ class OwnBytes:
 def check_process_room(
     planned_peak_bytes: int,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     batch: Any,
     limit: tuple[int, str] | None = None,
     outside: int | None = None,
@@ -411,7 +407,7 @@ def check_process_room(
     from memplan.torch.run.fit import cpu_limit, margin_for
 
     if outside is None:
-        outside = outside_step_bytes(model, [optimizer], batch) or 0
+        outside = outside_step_bytes(model, _as_list(optimizers), batch) or 0
     rss = rss_bytes()
     predicted = outside + planned_peak_bytes
     try:
@@ -433,7 +429,7 @@ def _plan_budget(
     capture: Capture,
     plain_peak_bytes: int,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizers: Sequence[torch.optim.Optimizer],
     batch: Any,
     *,
     memory_budget: int | float | str | None,
@@ -475,8 +471,8 @@ def _plan_budget(
             user_budget(unmeasured),
         )
     steps = None if probe is None else probe.steps
-    workspace = measure_op_workspace(capture, model, optimizer, batch, steps=steps) if measure_workspace else ()
-    own.measure_first_runs(model, optimizer, batch)
+    workspace = measure_op_workspace(capture, model, optimizers, batch, steps=steps) if measure_workspace else ()
+    own.measure_first_runs(model, optimizers, batch)
     reference = checkpoint_all(RematProblem(graph, 10**18, workspace=workspace)).peak_bytes
     budget_bytes = budget_for(reference)
     cache_cap = caching_allocator_cap(model, user_budget(reference))
@@ -1167,7 +1163,7 @@ def _planned_cuda_allocator() -> bool:
 def measure_op_workspace(
     capture: Capture,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     batch: Any,
     steps: Sequence[Any] | None = None,
 ) -> tuple[int, ...]:
@@ -1190,7 +1186,7 @@ def measure_op_workspace(
     outside = written_outside_state_by_id(capture, model)  # an EMA, a counter
     graph = capture.graph
     weights = {t for t, tensor in enumerate(graph.tensors) if tensor.category == Category.PARAMETER}
-    runner = _WorkspaceRunner(capture, shared, optimizer, steps, set(outside) | weights)
+    runner = _WorkspaceRunner(capture, shared, _as_list(optimizers), steps, set(outside) | weights)
     kept: dict[int, torch.Tensor] = {id(t): t for i, t in outside.items() if i in runner.unskipped}
     others = [(t, t.detach().clone()) for t in kept.values()]
     try:
@@ -1212,12 +1208,12 @@ class _WorkspaceRunner(_ProfilingRunner):
     not written. Not a training step, so not held to the self-check."""
 
     def __init__(
-        self, capture: Capture, model: torch.nn.Module, optimizer: Any, steps: Any, unwritten: set[int] = frozenset()
+        self, capture: Capture, model: torch.nn.Module, optimizers: Any, steps: Any, unwritten: set[int] = frozenset()
     ) -> None:
         """``unwritten``: graph tensors whose in-place writes are not run (the parameters, an
         EMA): an op writing one is skipped where its result is the written argument
         (``unskipped``: the tensors written by another op, which runs)."""
-        super().__init__(capture, model, optimizer, steps)
+        super().__init__(capture, model, optimizers, steps)
         self._next_check = None
         self.skipped: dict[str, torch.fx.Node] = {}  # fx node -> the argument it writes and returns
         self.unskipped: set[int] = set()

@@ -69,7 +69,7 @@ class _ProfilingRunner(RematRunner):
         self,
         capture: Capture,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
         steps: Sequence[Step] | None = None,
     ) -> None:
         """``steps``: the step sequence to run (a remat plan's; every op runs at least once,

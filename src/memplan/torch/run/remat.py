@@ -91,7 +91,7 @@ class RematRunner(StepRunner):
         capture: Capture,
         steps: Sequence[Step],
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
         *,
         executor: str = "generated",
     ) -> None:
