@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -54,9 +55,45 @@ def _check(ranks: list[dict], steps: int, collectives: int) -> None:
 
 
 def _full_and_mixed(steps: int) -> dict[str, dict]:
-    """Full precision, bf16 mixed precision (:func:`_mixed_precision`) and a prefetching plan
-    (:func:`_prefetching_plan`) in one spawn of the ranks."""
-    return {"full": _two_ranks(None, steps), "mixed": _mixed_precision(None, steps), "prefetch": _prefetching_plan(2)}
+    """Full precision, bf16 mixed precision (:func:`_mixed_precision`), a prefetching plan
+    (:func:`_prefetching_plan`) and the reduce-scatter (:func:`_reduce_scatter_as_gloo`) in one
+    spawn of the ranks."""
+    return {
+        "full": _two_ranks(None, steps),
+        "mixed": _mixed_precision(None, steps),
+        "prefetch": _prefetching_plan(2),
+        "reduce": _reduce_scatter_as_gloo(),
+    }
+
+
+def _reduce_scatter_as_gloo() -> dict[str, Any]:
+    """memplan's reduce-scatter against ``dist.reduce_scatter_single(op=AVG)``, bit for bit, run
+    synchronously and launched on the communication stream (several in flight, waited for in
+    turn); and how many of them gloo's thread still held the reduced buffer of when the wait
+    gave up waiting for it (:data:`memplan.torch.distributed.fsdp_ops.LATE_RELEASES`)."""
+    from memplan.torch.distributed import fsdp_ops
+
+    group = fsdp_ops.register_group(dist.group.WORLD)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    generator = torch.Generator().manual_seed(rank)
+    equal, late = [], fsdp_ops.LATE_RELEASES
+    for numel in (world * 7, world * 100_003, world * 1_000_000):
+        inputs = [torch.randn(numel, generator=generator) for _ in range(3)]
+        expected = []
+        for inp in inputs:
+            out = inp.new_empty(numel // world)
+            dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.AVG)
+            expected.append(out)
+        synchronous = [torch.ops.memplan_fsdp.reduce_scatter(inp, group) for inp in inputs]
+        equal += [torch.equal(s, e) for s, e in zip(synchronous, expected, strict=True)]
+        outs = [inp.new_empty(numel // world) for inp in inputs]
+        with fsdp_ops.launching(fsdp_ops.Inflight()) as inflight:
+            for inp, out in zip(inputs, outs, strict=True):
+                torch.ops.memplan_fsdp.reduce_scatter.out(inp, group, out=out)
+            for k in range(len(inputs)):
+                inflight.wait(k)
+        equal += [torch.equal(o, e) for o, e in zip(outs, expected, strict=True)]
+    return {"equal": equal, "late": fsdp_ops.LATE_RELEASES - late}
 
 
 def test_two_ranks_train_bit_for_bit_like_fsdp2() -> None:
@@ -74,6 +111,7 @@ def test_two_ranks_train_bit_for_bit_like_fsdp2() -> None:
     for r in ranks:
         _check_choice(r["full"]["streams"])
         _check_prefetching(r["prefetch"], collectives=8 + 4 + 4)
+        assert r["reduce"]["equal"] == [True] * 18 and r["reduce"]["late"] == 0, r["reduce"]
 
 
 @pytest.mark.slow

@@ -11,11 +11,11 @@ layout (``torch.distributed.fsdp._fully_shard._fsdp_collectives``), so the bits 
   once and copies each parameter out: a gather is a copy, so the bits are the same, and no
   copy-out buffer is needed);
 * the reduce-scatter input is FSDP2's ``chunk_cat``: for each rank, chunk ``r`` of every padded
-  gradient, back to back in the unit's parameter order; it is reduced with
+  gradient, back to back in the unit's parameter order; it is reduced exactly as
   ``dist.reduce_scatter_single(op=AVG)`` (what ``_get_gradient_divide_factors`` picks for fp32
-  and bf16 gradients with no divide factor) on the same buffer as FSDP2's, so gloo reduces
-  every element in the same order. Each parameter's gradient shard is a view of the output at
-  the padded offset FSDP2 uses.
+  and bf16 gradients with no divide factor) reduces it on gloo, on the same buffer as FSDP2's, so
+  every element is summed in the same order (:func:`_launch_reduce`, :func:`_scatter_out`). Each
+  parameter's gradient shard is a view of the output at the padded offset FSDP2 uses.
 
 Both ops have ``out=`` variants, so the runtime writes their results into the arena. Padding is
 left uninitialised (``new_empty``): it is gathered or reduced, and never read.
@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +88,7 @@ class Launch:
     done: float = 0.0
     wait_start: float = 0.0
     wait_end: float = 0.0
+    finish: Callable[[], None] | None = None
 
 
 @dataclass
@@ -98,13 +99,17 @@ class Inflight:
     waited: set[int] = field(default_factory=set)
     record_times: bool = False
 
-    def launch(self, kind: str, work: Any, inp: torch.Tensor, out: torch.Tensor) -> None:
+    def launch(
+        self, kind: str, work: Any, inp: torch.Tensor, out: torch.Tensor, finish: Callable[[], None] | None = None
+    ) -> None:
+        """``finish``: what the wait does once the work is done (a reduce-scatter's copy-out)."""
         size = max(inp.numel() * inp.element_size(), out.numel() * out.element_size())
         entry = Launch(kind, work, (inp, out), size, launched=time.perf_counter() if self.record_times else 0.0)
+        entry.finish = finish
         if self.record_times:
             try:
                 future = work.get_future()
-            except RuntimeError:  # gloo's reduce-scatter work has no future: ``done`` stays 0 (unknown)
+            except RuntimeError:  # a work without a future: ``done`` stays 0 (unknown)
                 future = None
             if future is not None:
                 future.add_done_callback(lambda _f, e=entry: setattr(e, "done", time.perf_counter()))
@@ -118,9 +123,12 @@ class Inflight:
         start = time.perf_counter()
         with record_function(f"memplan.wait:{entry.kind}{k}"):
             entry.work.wait()
+            entry.work = None
+            if entry.finish is not None:
+                entry.finish()
         if self.record_times:
             entry.wait_start, entry.wait_end = start, time.perf_counter()
-        entry.buffers, entry.work = (), None  # the work holds gloo's staging buffer until it is dropped
+        entry.buffers, entry.finish = (), None
         self.waited.add(k)
 
     def drain(self) -> int:
@@ -161,11 +169,57 @@ def _all_gather(inp: torch.Tensor, group: int) -> torch.Tensor:
 def _reduce_scatter_out(inp: torch.Tensor, group: int, *, out: torch.Tensor) -> torch.Tensor:
     if _INFLIGHT:
         with record_function("memplan.launch:reduce_scatter"):
-            work = dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.AVG, group=GROUPS[group], async_op=True)
-        _INFLIGHT[-1].launch("reduce_scatter", work, inp, out)
+            staging, work, own = _launch_reduce(inp, group)
+        _INFLIGHT[-1].launch("reduce_scatter", work, inp, out, lambda: _scatter_out(staging, own, group, out))
         return out
-    dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.AVG, group=GROUPS[group])
-    return out
+    staging, work, own = _launch_reduce(inp, group)
+    work.wait()
+    del work
+    return _scatter_out(staging, own, group, out)
+
+
+def _launch_reduce(inp: torch.Tensor, group: int) -> tuple[torch.Tensor, Any, int]:
+    """The first half of gloo's reduce-scatter (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``,
+    what ``dist.reduce_scatter_single`` runs): a copy of the input, all-reduced (SUM) on gloo's
+    thread. The copy is this process's, not gloo's: gloo's thread keeps its work, and with it
+    the buffer it reduced, until it takes the next one, after the wait has returned; the next
+    reduce-scatter's copy was then made beside it (4 ranks on 2 cores: one or two units' gradients
+    above the plan, issue 35). :func:`_scatter_out` waits for that reference to go first: it
+    gets the copy, the work, and the copy's storage's use count while only this process held it."""
+    staging = inp.clone()
+    own = _use_count(staging)
+    work = dist.all_reduce(staging.view(-1), group=GROUPS[group], async_op=True)  # gloo holds the view
+    return staging, work, own
+
+
+def _use_count(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+RELEASE_SECONDS = 2.0
+"""How long :func:`_scatter_out` waits for gloo's thread to drop the reduced buffer (it does so
+right after marking the work done; a descheduled thread takes a time slice or two)."""
+
+
+def _scatter_out(staging: torch.Tensor, own: int, group: int, out: torch.Tensor) -> torch.Tensor:
+    """The second half, once the all-reduce is done: this rank's chunk of the sum, divided by the
+    world size (``ReduceOp.AVG`` on gloo: the bits of ``dist.reduce_scatter_single(op=AVG)``,
+    tested), after gloo's thread has dropped its view of ``staging``, so the copy is freed here,
+    before the next one is made (``own``: the storage's use count without gloo's view)."""
+    global LATE_RELEASES
+    world, rank = dist.get_world_size(GROUPS[group]), dist.get_rank(GROUPS[group])
+    end = time.perf_counter() + RELEASE_SECONDS
+    while _use_count(staging) > own:
+        if time.perf_counter() > end:
+            LATE_RELEASES += 1  # freed by gloo's thread later, above the plan for a while
+            break
+        time.sleep(0)  # lets gloo's thread run (and take the GIL, to drop the view's Python object)
+    out.copy_(staging.view(world, -1)[rank])
+    return out.div_(world)
+
+
+LATE_RELEASES = 0
+"""How many reduce-scatters' buffers gloo's thread still held after :data:`RELEASE_SECONDS`."""
 
 
 def _reduce_scatter(inp: torch.Tensor, group: int) -> torch.Tensor:
