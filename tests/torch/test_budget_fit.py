@@ -66,11 +66,11 @@ def test_every_call_of_a_budgeted_step_stays_within_the_budget_from_the_first(mo
     peaks: dict[str, int] = {}
     measure = budget_module.measure_op_workspace
 
-    def tracked(capture, model_, optimizer, batch_, steps=None):
+    def tracked(capture, model_, optimizers, batch_, steps=None):
         tracker = LiveBytesTracker()
-        tracker.track(_state(model_), optimizer_state_tensors(optimizer), batch_)
+        tracker.track(_state(model_), [optimizer_state_tensors(o) for o in optimizers], batch_)
         with tracker:
-            result = measure(capture, model_, optimizer, batch_, steps=steps)
+            result = measure(capture, model_, optimizers, batch_, steps=steps)
         peaks["workspace"] = tracker.peak_bytes
         return result
 

@@ -313,6 +313,11 @@ def _trace(
 
         if not recompute_named(gm, template.recomputed):
             raise NotSymbolic("the capture's recomputed copies do not apply to the symbolic program")
+    if template.fused_loss:
+        from memplan.torch.capture.fused import fuse_loss_backward
+
+        if len(fuse_loss_backward(gm, None, ())) != len(template.fused_loss):
+            raise NotSymbolic("the capture's fused loss backward does not apply to the symbolic program")
     if template.written_into:
         from memplan.torch.capture.inplace import write_into_named
 

@@ -99,6 +99,7 @@ class Capture:
     recomputed: list[str] = field(default_factory=list)  # copies run again in the backward (recompute.py)
     # (node, argument) of each op that writes its result over a dying input (inplace.py)
     written_into: list[tuple[str, int]] = field(default_factory=list)
+    fused_loss: list[str] = field(default_factory=list)  # the loss's backward fused (capture/fused.py)
     # param name -> {state key: ("tensor", shape, dtype) or ("value", type name)}: the optimizer
     # state as eager's step leaves it (read off the fake optimizer after the traced step)
     optimizer_state_meta: dict[str, dict[str, tuple]] = field(default_factory=dict)
@@ -366,10 +367,10 @@ def _capture_runs(
 
     recomputed = _recomputed(gm, to_capture, objects.recompute_copies, like or warm)
     capture = to_capture(gm, time.perf_counter() - start)
-    written = _written_into(gm, capture, grads.storages) if objects.write_into_dying else []
-    if written:
+    written, fused = _written_into(gm, capture, grads.storages) if objects.write_into_dying else ([], [])
+    if written or fused:
         capture = to_capture(gm, time.perf_counter() - start)
-    capture.written_into = written
+    capture.written_into, capture.fused_loss = written, fused
     phases = dict(zip(capture.node_of_op, capture.op_phase, strict=True))
     if warm is not None:
         if literal_counts(gm, phases) != warm.literals:
@@ -416,11 +417,19 @@ def _recomputed(
     return recomputed
 
 
-def _written_into(gm: torch.fx.GraphModule, capture: Capture, grad_storages: set[int]) -> list[tuple[str, int]]:
-    """Ops of the forward and backward that write their result over a dying input (:mod:`.inplace`)."""
+def _written_into(
+    gm: torch.fx.GraphModule, capture: Capture, grad_storages: set[int]
+) -> tuple[list[tuple[str, int]], list[str]]:
+    """Ops of the forward and backward that write their result over a dying input: the loss's
+    backward fused first (:mod:`.fused`: the fused nodes' names), then the single ops
+    (:mod:`.inplace`: each node's name and the argument it writes over)."""
+    from memplan.torch.capture.fused import fuse_loss_backward
     from memplan.torch.capture.inplace import write_into_dying_inputs
 
-    return write_into_dying_inputs(gm, dict(zip(capture.node_of_op, capture.op_phase, strict=True)), grad_storages)
+    phases = dict(zip(capture.node_of_op, capture.op_phase, strict=True))
+    fused = fuse_loss_backward(gm, phases, grad_storages)
+    phases.update(dict.fromkeys(fused, "backward"))
+    return write_into_dying_inputs(gm, phases, grad_storages), fused
 
 
 def hold_update_inputs(capture: Capture) -> Graph:
@@ -610,10 +619,10 @@ def capture_infer_step(model: torch.nn.Module, inputs: Any, *, name: str = "") -
         with follow_mask_shortcuts(real_inputs, mask_guards):
             gm = _trace(step, flat)
     capture = _to_capture(gm, categories, set(), "infer", time.perf_counter() - start, name)
-    written = _written_into(gm, capture, set())
-    if written:
+    written, fused = _written_into(gm, capture, set())
+    if written or fused:
         capture = _to_capture(gm, categories, set(), "infer", time.perf_counter() - start, name)
-    capture.written_into = written
+    capture.written_into, capture.fused_loss = written, fused
     capture.mask_guards = mask_guards
     check_literals_repeat(gm, dict(zip(capture.node_of_op, capture.op_phase, strict=True)), earlier_literals)
     capture.batch_spec = spec
