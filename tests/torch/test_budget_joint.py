@@ -91,7 +91,8 @@ def test_the_remat_runner_runs_reordered_plans_with_whole_update_groups_like_eag
     assert max(len(g) for g in groups) > 1
     reference = checkpoint_all(RematProblem(graph, 10**18)).peak_bytes
     floor = memory_floor(RematProblem(graph, reference)).bytes
-    plan = solve_remat_in_order(graph, None, (floor + reference) // 2, 2.0)  # between the floor and no remat
+    # between the floor and no remat; a plan is found in about a second, which a loaded machine may need 3 s for
+    plan = solve_remat_in_order(graph, None, (floor + reference) // 2, 10.0)
     assert plan.feasible and groups_breach(graph, plan.steps, groups) is None
     plans = reordered_plans(graph, plan.steps, groups, count=2)
     assert plans, "no other order of the plan's runs keeps its update groups whole"
