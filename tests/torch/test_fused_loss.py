@@ -14,6 +14,7 @@ import memplan.torch.capture.fused as fused
 import torch
 from memplan.remat.problem import RematProblem, memory_floor
 from memplan.torch.capture import capture_train_step
+from tests.torch.test_inplace import TinyLM
 from torch import nn
 
 aten = torch.ops.aten
@@ -42,17 +43,6 @@ def test_the_fused_op_equals_the_pair_bit_for_bit(monkeypatch, rows, vocab, redu
     got = fused.FUSED(grad_loss, out, target, weight, reduction, -100, total_weight, 1, torch.float32, out=out)
     assert got is out
     assert torch.equal(got.view(torch.int32), expected.view(torch.int32))  # signed zeros and NaNs too
-
-
-class TinyLM(nn.Module):
-    def __init__(self, vocab: int = 3000, width: int = 32) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-        self.head = nn.Linear(width, vocab, bias=False)
-
-    def forward(self, ids):
-        return self.head(self.mlp(self.embed(ids)))
 
 
 def _loss(logits, target):
