@@ -512,6 +512,29 @@ def test_a_memory_budget_recomputes_on_top_of_sharding_bit_for_bit(one_rank) -> 
     assert r["budget_diffs"] == [0.0, 0.0] and r["diffs"] == [0.0, 0.0]
     measured = r["held_bytes"]["memplan_budget"] + r["step_peak_bytes"]["memplan_budget"]
     assert measured < r["held_bytes"]["fsdp2"] + r["step_peak_bytes"]["fsdp2"]
+    assert measured <= b["budget_bytes"]  # the budget is a bound, gloo's staging buffers included
+
+
+def test_the_budget_counts_each_collectives_staging_buffer_as_its_workspace() -> None:
+    """gloo runs an all-gather through a buffer of its output's size and a reduce-scatter through
+    a copy of its input: the budget's solve counts it as the op's workspace (other ops: none)."""
+    from memplan.graph.ir import Graph, Op, Tensor
+    from memplan.torch.distributed.fsdp_step import staging_workspace
+
+    tensors = (
+        Tensor("shard", 10, persistent=True),
+        Tensor("full", 20),
+        Tensor("y", 20),
+        Tensor("flat", 40),
+        Tensor("g", 20),
+    )
+    ops = (
+        Op("gather", "memplan_fsdp.all_gather.default", (0,), (1,)),
+        Op("mm", "aten.mm.default", (1,), (2,)),
+        Op("cat", "aten.cat.default", (2,), (3,)),
+        Op("scatter", "memplan_fsdp.reduce_scatter.default:no-recompute", (3,), (4,)),
+    )
+    assert staging_workspace(Graph(ops, tensors, "step")) == (20, 0, 0, 40)
 
 
 @pytest.mark.parametrize(

@@ -257,6 +257,23 @@ def remat_graph(capture: Capture) -> Any:
     return Graph(ops, graph.tensors, graph.name, dict(graph.meta))
 
 
+def staging_workspace(graph: Any) -> tuple[int, ...]:
+    """Per op of the budget's graph, the bytes gloo holds beyond its inputs and outputs while it
+    runs: a synchronous collective's staging buffer (its output's size for an all-gather, its
+    input's for a reduce-scatter, as :func:`memplan.torch.distributed.fsdp_plan.stream_step` counts
+    it on the communication stream); 0 for every other op. The remat solve counts it as the op's
+    workspace: without it the root unit's reduce-scatter (its input, gloo's copy of it and its
+    output) ran one unit's gradients above the plan (a Llama decoder on one rank: 133 MiB)."""
+    workspace = []
+    for op in graph.ops:
+        if "memplan_fsdp.all_gather" in op.kind or "memplan_fsdp.reduce_scatter" in op.kind:
+            held = sum(graph.tensors[t].size_bytes for t in dict.fromkeys(op.inputs))
+            workspace.append(max(held, sum(graph.tensors[t].size_bytes for t in op.outputs)))
+        else:
+            workspace.append(0)
+    return tuple(workspace)
+
+
 def solve_fsdp_budget(
     capture: Capture, order: Sequence[int], memory_budget: int | float | str, time_limit_seconds: float
 ) -> dict[str, Any]:
@@ -265,16 +282,17 @@ def solve_fsdp_budget(
     checkpoint-all peak (every activation kept, in program order). Raises
     :class:`memplan.errors.InfeasibleBudget` in one line when no plan fits."""
     from memplan.errors import InfeasibleBudget
-    from memplan.graph.liveness import peak_bytes
     from memplan.isolate import in_child
     from memplan.remat.baselines import checkpoint_all
+    from memplan.remat.lower import sequence_peak_bytes, steps_for_order
     from memplan.remat.problem import RematProblem
     from memplan.torch.run.budget import _infeasible_message, _solve_remat_in_order, parse_memory_budget
 
     graph = remat_graph(capture)
-    reference = checkpoint_all(RematProblem(graph, 10**18)).peak_bytes
+    workspace = staging_workspace(graph)
+    reference = checkpoint_all(RematProblem(graph, 10**18, workspace=workspace)).peak_bytes
     budget_bytes = parse_memory_budget(memory_budget, reference)
-    reordered = peak_bytes(graph, list(order))
+    reordered = sequence_peak_bytes(graph, steps_for_order(graph, list(order)), workspace)
     report: dict[str, Any] = {
         "memory_budget": memory_budget,
         "budget_bytes": budget_bytes,
@@ -284,14 +302,16 @@ def solve_fsdp_budget(
     if reordered <= budget_bytes:
         return {**report, "method": "reorder", "remat_steps": None, "recomputed_ops": 0, "overhead": 0.0}
     # imported in the solver's child: OR-Tools stays out of the rank's process, as in the budget path
-    schedule = in_child(_solve_remat_in_order, graph, tuple(order), budget_bytes, time_limit_seconds, reorder=False)
+    schedule = in_child(
+        _solve_remat_in_order, graph, tuple(order), budget_bytes, time_limit_seconds, reorder=False, workspace=workspace
+    )
     if not schedule.feasible:
         message = _infeasible_message(
             graph,
             budget_bytes,
             reference,
             schedule,
-            (),
+            workspace,
             reordered_bytes=reordered,
             time_limit_seconds=time_limit_seconds,
         )

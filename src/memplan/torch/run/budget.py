@@ -1018,13 +1018,17 @@ def _infeasible_message(
     a placed peak that ran (the advice never names more); ``outside_bytes``: memplan's own
     resident bytes taken out of the user's budget (:class:`OwnBytes`), added back to the budget
     named and to the advice; ``named_bytes``: the user's budget, named when given. The baselines that name the smallest
-    peak run within a tenth of the time limit (at most 10 s): a refusal must not outlast the solve."""
+    peak run within a tenth of the time limit (at most 10 s): a refusal must not outlast the solve;
+    a plan of theirs that re-runs an op inside an optimizer call (one update group, which the
+    runtime runs as one call) is not named: memplan could not run it."""
     from memplan.remat.baselines import BASELINES, run_baselines
     from memplan.remat.problem import RematProblem
+    from memplan.remat.stage_order import broken_group, call_groups
 
     problem = RematProblem(graph, budget_bytes, workspace=workspace)
     plans = run_baselines(problem, BASELINES, min(10.0, 0.1 * time_limit_seconds))
-    reached = [p.peak_bytes for p in plans.values() if p.steps]
+    groups = call_groups(graph)  # a plan that re-runs an op inside an optimizer call cannot run: not named
+    reached = [p.peak_bytes for p in plans.values() if p.steps and broken_group(p.steps, groups) is None]
     found = schedule.details.get("lowest_peak_bytes")  # the solve's lowest plan (in its stage order)
     reached += [int(found)] if found else []
     lowest = min([reference, *reached, *([] if reordered_bytes is None else [reordered_bytes])])
