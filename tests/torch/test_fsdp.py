@@ -519,7 +519,7 @@ def test_the_budget_counts_each_collectives_staging_buffer_as_its_workspace() ->
     """gloo runs an all-gather through a buffer of its output's size and a reduce-scatter through
     a copy of its input: the budget's solve counts it as the op's workspace (other ops: none)."""
     from memplan.graph.ir import Graph, Op, Tensor
-    from memplan.torch.distributed.fsdp_step import staging_workspace
+    from memplan.torch.distributed.fsdp_step import REDUCE_SCATTER_KIND_SUFFIX, staging_workspace
 
     tensors = (
         Tensor("shard", 10, persistent=True),
@@ -532,7 +532,7 @@ def test_the_budget_counts_each_collectives_staging_buffer_as_its_workspace() ->
         Op("gather", "memplan_fsdp.all_gather.default", (0,), (1,)),
         Op("mm", "aten.mm.default", (1,), (2,)),
         Op("cat", "aten.cat.default", (2,), (3,)),
-        Op("scatter", "memplan_fsdp.reduce_scatter.default:no-recompute", (3,), (4,)),
+        Op("scatter", "memplan_fsdp.reduce_scatter.default" + REDUCE_SCATTER_KIND_SUFFIX, (3,), (4,)),
     )
     assert staging_workspace(Graph(ops, tensors, "step")) == (20, 0, 0, 40)
 

@@ -214,7 +214,10 @@ def test_a_step_that_reads_a_value_is_refused_in_one_line():
     assert "loss.item() outside the step" in str(info.value) and "test_loops.py" in str(info.value)
 
 
-@pytest.mark.parametrize("script", ["compile_step.py", "step_function.py"])
+@pytest.mark.parametrize(
+    "script",
+    ["compile_step.py", "step_function.py", pytest.param("muon_adamw_budget.py", marks=pytest.mark.slow)],
+)
 def test_examples_run(script):
     done = subprocess.run(
         [sys.executable, str(ROOT / "examples" / script)], capture_output=True, text=True, timeout=600, cwd=ROOT

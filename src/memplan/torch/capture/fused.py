@@ -30,19 +30,18 @@ own (an input, a parameter, a gradient, what it returns).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import torch.fx
 
 import torch
 from memplan.torch.capture.inplace import (
     PLANNED_PHASES,
-    _on,
     _protected_storages,
     _storage_touchers,
+    move_views,
     same_dense_layout,
 )
-from memplan.torch.tensors import storage_key, tensor_leaves
+from memplan.torch.tensors import storage_key
 
 CHUNK_BYTES = 4 * 2**20
 """The rows of one chunk hold about this many bytes of the gradient (at least one row)."""
@@ -165,7 +164,7 @@ def _fuse(
     gm: torch.fx.GraphModule, node: torch.fx.Node, grad: torch.fx.Node, touching: dict[int, set[torch.fx.Node]]
 ) -> torch.fx.Node:
     """The fused node in place of ``grad`` -> ``node``; views of ``node``'s result move onto the
-    log-probabilities' storage (as :func:`memplan.torch.capture.inplace._rewrite` moves them)."""
+    log-probabilities' storage (:func:`memplan.torch.capture.inplace.move_views`)."""
     grad_loss, logp, target, weight, reduction, ignore_index, total_weight = grad.args
     _, _, dim, input_dtype = node.args
     with gm.graph.inserting_before(node):
@@ -178,12 +177,8 @@ def _fuse(
     base = logp.meta["val"]
     fused.meta["val"] = base
     old = storage_key(node.meta["val"])
-    readers = touching.pop(old, set()) - {node}
+    readers = move_views(base, old, touching.pop(old, set()) - {node})
     node.replace_all_uses_with(fused)
-    for other in readers:
-        value = other.meta.get("val")
-        if any(storage_key(leaf) == old for leaf in tensor_leaves(value)):
-            other.meta["val"] = _moved(base, value, old)
     gm.graph.erase_node(node)
     gm.graph.erase_node(grad)
     gone = {node, grad} | _erase_dead_aliases(gm, touching.get(storage_key(base), set()) - {node, grad})
@@ -209,8 +204,3 @@ def _erase_dead_aliases(gm: torch.fx.GraphModule, nodes: set[torch.fx.Node]) -> 
             dead.append(source)
     return erased
 
-
-def _moved(base: torch.Tensor, value: Any, old: int) -> Any:
-    from torch.utils import _pytree as pytree
-
-    return pytree.tree_map(lambda leaf: _on(base, leaf, old), value)

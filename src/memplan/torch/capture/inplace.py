@@ -238,12 +238,18 @@ def _rewrite(node: torch.fx.Node, index: int, touching: dict[int, set[torch.fx.N
     node.kwargs = {**node.kwargs, names[0]: source}
     base = source.meta["val"]
     node.meta["val"] = base
-    readers = touching.pop(old, set())
-    for other in readers - {node}:  # views of the old result are among the nodes touching it
+    readers = move_views(base, old, touching.pop(old, set()) - {node})
+    touching.setdefault(storage_key(base), set()).update(readers | {node})
+
+
+def move_views(base: torch.Tensor, old: int, readers: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    """The views among ``readers`` (the nodes touching storage ``old``, a result now written
+    into ``base``'s storage) as the same views of ``base``; returns ``readers``."""
+    for other in readers:
         value = other.meta.get("val")
         if any(storage_key(leaf) == old for leaf in tensor_leaves(value)):
             other.meta["val"] = pytree.tree_map(lambda leaf: _on(base, leaf, old), value)
-    touching.setdefault(storage_key(base), set()).update(readers | {node})
+    return readers
 
 
 def _on(base: torch.Tensor, leaf: Any, old: int) -> Any:

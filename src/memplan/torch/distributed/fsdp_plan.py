@@ -67,6 +67,14 @@ def fsdp_kind(op: Op) -> str | None:
     return FSDP_KINDS.get(base)
 
 
+def staging_bytes(graph: Graph, op: Op) -> int:
+    """gloo's staging buffer of the collective ``op``: its output's size for an all-gather, its
+    input's for a reduce-scatter (the larger of the two, measured: ``allocator_peak_bytes`` of one
+    ``all_gather_single`` is its output's bytes)."""
+    size = graph.tensors
+    return max(sum(size[t].size_bytes for t in dict.fromkeys(op.inputs)), sum(size[t].size_bytes for t in op.outputs))
+
+
 def stream_step(graph: Graph) -> Graph:
     """``graph`` (a captured FSDP2 step) as a two-stream step (module docstring): each wait listed
     right after its collective; :func:`step_ids` maps the capture's op ids to the step's. Each
@@ -92,9 +100,7 @@ def stream_step(graph: Graph) -> Graph:
             continue
         work, ready = control(f"{op.name}.work"), control(f"{op.name}.ready")
         held = tuple(dict.fromkeys(t for t in op.inputs if graph.tensors[t].size_bytes > 0))
-        staged = max(
-            sum(graph.tensors[t].size_bytes for t in held), sum(graph.tensors[t].size_bytes for t in op.outputs)
-        )
+        staged = staging_bytes(graph, op)
         names.add(f"{op.name}{STAGING_SUFFIX}")
         tensors.append(Tensor(f"{op.name}{STAGING_SUFFIX}", staged, Category.TEMPORARY))
         staging = TensorId(len(tensors) - 1)

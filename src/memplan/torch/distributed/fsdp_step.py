@@ -264,14 +264,9 @@ def staging_workspace(graph: Any) -> tuple[int, ...]:
     it on the communication stream); 0 for every other op. The remat solve counts it as the op's
     workspace: without it the root unit's reduce-scatter (its input, gloo's copy of it and its
     output) ran one unit's gradients above the plan (a Llama decoder on one rank: 133 MiB)."""
-    workspace = []
-    for op in graph.ops:
-        if "memplan_fsdp.all_gather" in op.kind or "memplan_fsdp.reduce_scatter" in op.kind:
-            held = sum(graph.tensors[t].size_bytes for t in dict.fromkeys(op.inputs))
-            workspace.append(max(held, sum(graph.tensors[t].size_bytes for t in op.outputs)))
-        else:
-            workspace.append(0)
-    return tuple(workspace)
+    from memplan.torch.distributed.fsdp_plan import fsdp_kind, staging_bytes
+
+    return tuple(staging_bytes(graph, op) if fsdp_kind(op) else 0 for op in graph.ops)
 
 
 def solve_fsdp_budget(
